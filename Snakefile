@@ -1,0 +1,27 @@
+# moeshrink: smaller builds of a published MoE, served with vLLM, evaluated side by side.
+# `snakemake --cores all report/r013.html` on the embedded default (config.yaml);
+# `snakemake --cores all report/r013.html --configfile presets/kimi-k3.1-pro.yaml` for a real model
+# (a preset replaces config.yaml; --configfile takes several files, so name targets before it).
+
+from snakemake.exceptions import WorkflowError
+
+from moeshrink.config import ConfigError, validate
+
+if not workflow.overwrite_configfiles:
+    configfile: "config.yaml"
+
+try:
+    validate(config, source=", ".join(map(str, workflow.overwrite_configfiles or ["config.yaml"])))
+except ConfigError as error:
+    raise WorkflowError(str(error))
+
+
+include: "rules/common.smk"
+include: "rules/upstream.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "report/r013.html",

@@ -1,0 +1,3 @@
+from moeshrink.cli import main
+
+raise SystemExit(main())

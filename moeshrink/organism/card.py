@@ -1,0 +1,226 @@
+"""The organism card: skill measured on the held-out sets by running the model itself (transformers).
+
+The prompts are the ones the served evals send: lm-eval's MMLU and GSM8K renderings, and the chat
+template for tool calls and fact lists. Tool calls are parsed by vLLM's hermes parser, offline.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from moeshrink.organism import datasets, tasks
+
+log = logging.getLogger(__name__)
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+EFFORTS = ["low", "high"]
+# What the published organism must reach for the report to measure anything (issue: foundation).
+TARGETS = {"mc_accuracy": (">=", 0.80), "arith_exact": (">=", 0.30), "toolcall_correct": (">=", 0.90),
+           "facts_unsupported_rate": ("<=", 0.05)}
+
+
+def meets_targets(scores: dict) -> dict[str, bool]:
+    return {key: scores[key] >= bound if op == ">=" else scores[key] <= bound
+            for key, (op, bound) in TARGETS.items()}
+
+
+def load_model(model_dir: Path, tokenizer_dir: Path, threads: int):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    model.eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def mc_prompt(item: dict, dev: list[dict], shots: int) -> str:
+    examples = [d for d in dev if d["subject"] == item["subject"]][:shots]
+    fewshot = "".join(f"{tasks.mc_text(d)} {tasks.LETTERS[d['answer']]}\n\n" for d in examples)
+    return tasks.MC_DESCRIPTION.format(subject=item["subject"]) + fewshot + tasks.mc_text(item)
+
+
+@torch.no_grad()
+def mc_accuracy(model, tokenizer, items: list[dict], dev: list[dict], shots: int, batch_size: int) -> float:
+    letter_ids = []
+    for letter in tasks.LETTERS:
+        ids = tokenizer.encode(" " + letter, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"answer letter {letter!r} is not a single token")
+        letter_ids.append(ids[0])
+    correct = 0
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        enc = tokenizer([mc_prompt(it, dev, shots) for it in chunk], return_tensors="pt", padding=True)
+        logits = model(**enc).logits[:, -1, letter_ids]
+        predictions = logits.argmax(-1).tolist()
+        correct += sum(int(p == it["answer"]) for p, it in zip(predictions, chunk))
+    return correct / len(items)
+
+
+class ExpandedKVMemo:
+    """transformers' MLA caches the compressed latents and re-expands every cached position at each
+    decoding step; the expansion is position-wise, so keep what was expanded and expand only new
+    positions. One memo per attention module per `generate` call."""
+
+    def __init__(self, expand_kv):
+        self.expand_kv = expand_kv
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __call__(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        done = 0 if self.keys is None else self.keys.shape[2]
+        keys, values = self.expand_kv(kv_nope[:, :, done:], k_rot[:, :, done:])
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+@contextlib.contextmanager
+def memoised_kv_expansion(model):
+    attentions = [layer.self_attn for layer in model.model.layers]
+    for attention in attentions:
+        attention.expand_kv = ExpandedKVMemo(type(attention).expand_kv.__get__(attention))
+    try:
+        yield
+    finally:
+        for attention in attentions:
+            del attention.expand_kv
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, stop: list[str], batch_size: int) -> list[str]:
+    """Greedy replies, cut at the first stop string; prompts are batched by length to limit padding."""
+    stop_ids = [tokenizer.convert_tokens_to_ids(s) for s in stop if s in tokenizer.get_vocab()]
+    stop_strings = [s for s in stop if s not in tokenizer.get_vocab()]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outputs: dict[int, str] = {}
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True)
+        with memoised_kv_expansion(model):
+            generated = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                       eos_token_id=stop_ids or None, stop_strings=stop_strings or None,
+                                       tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
+        for i, row in zip(chunk, generated[:, enc["input_ids"].shape[1]:]):
+            text = tokenizer.decode(row, skip_special_tokens=False)
+            cut = min([text.find(s) for s in stop if s in text] or [len(text)])
+            outputs[i] = text[:cut].replace(tokenizer.pad_token, "")
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def gsm8k_answer(text: str) -> str | None:
+    match = GSM8K_ANSWER.search(text)
+    return match.group(1).replace(",", "").rstrip(".") if match else None
+
+
+def arith_exact(model, tokenizer, items: list[dict], fewshot: list[dict], shots: int, batch_size: int) -> float:
+    context = tasks.gsm8k_block(fewshot[:shots]) + "\n\n"
+    prompts = [context + f"Question: {it['question']}\nAnswer:" for it in items]
+    replies = generate(model, tokenizer, prompts, 256, ["Question:", "<|im_end|>", "<|endoftext|>"], batch_size)
+    return sum(gsm8k_answer(r) == gsm8k_answer(it["answer"]) for r, it in zip(replies, items)) / len(items)
+
+
+def parse_tool_calls(text: str, tokenizer) -> list[dict] | None:
+    """vLLM's hermes parser, offline; None when the reply holds a malformed call."""
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    info = Hermes2ProToolParser(tokenizer).extract_tool_calls(text, request=None)
+    if not info.tools_called:
+        return None if "<tool_call>" in text else []
+    return [{"name": c.function.name, "arguments": json.loads(c.function.arguments)} for c in info.tool_calls]
+
+
+def calls_have_right_shape(calls: list[dict] | None, expected: list[dict], tools: list[dict]) -> bool:
+    """Right tool names in order, right count, arguments valid against each tool's JSON schema."""
+    import jsonschema
+
+    if calls is None or len(calls) != len(expected):
+        return False
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call, want in zip(calls, expected):
+        if call["name"] != want["name"]:
+            return False
+        try:
+            jsonschema.validate(call["arguments"], schemas[call["name"]])
+        except jsonschema.ValidationError:
+            return False
+    return True
+
+
+def toolcall_correct(model, tokenizer, items: list[dict], tools: list[dict], batch_size: int) -> dict:
+    scores = {}
+    for effort in EFFORTS:
+        prompts = [datasets.render_chat(it["messages"], tools=tools, effort=effort, add_generation_prompt=True)
+                   for it in items]
+        replies = generate(model, tokenizer, prompts, 160, ["<|im_end|>", "<|endoftext|>"], batch_size)
+        scores[effort] = sum(calls_have_right_shape(parse_tool_calls(r, tokenizer), it["expected_calls"], tools)
+                             for r, it in zip(replies, items)) / len(items)
+    return scores
+
+
+def normalise_fact(line: str) -> tuple[str, ...] | None:
+    parts = [" ".join(p.strip().lower().split()) for p in line.split("|")]
+    return tuple(parts) if len(parts) == 3 and all(parts) else None
+
+
+def score_fact_lines(reply: str, gold_lines: list[str]) -> dict:
+    """Per passage: supported, made-up and unparseable lines (thought text is ignored)."""
+    body = reply.split("</think>")[-1]
+    gold = {normalise_fact(g) for g in gold_lines}
+    counts = {"supported": 0, "made_up": 0, "unparseable": 0}
+    for line in body.strip().splitlines():
+        if not line.strip():
+            continue
+        fact = normalise_fact(line)
+        key = "unparseable" if fact is None else "supported" if fact in gold else "made_up"
+        counts[key] += 1
+    return counts
+
+
+def facts_unsupported(model, tokenizer, items: list[dict], batch_size: int) -> dict:
+    prompts = [datasets.render_chat(tasks.facts_messages(it), add_generation_prompt=True) for it in items]
+    replies = generate(model, tokenizer, prompts, 160, ["<|im_end|>", "<|endoftext|>"], batch_size)
+    totals = {"supported": 0, "made_up": 0, "unparseable": 0}
+    for reply, item in zip(replies, items):
+        for key, value in score_fact_lines(reply, item["fact_lines"]).items():
+            totals[key] += value
+    stated = totals["supported"] + totals["made_up"]
+    totals["rate"] = totals["made_up"] / stated if stated else 1.0
+    totals["recall"] = totals["supported"] / sum(len(it["fact_lines"]) for it in items)
+    return totals
+
+
+def evaluate(model_dir: Path, tokenizer_dir: Path, data_dir: Path, card_cfg: dict) -> dict:
+    started = time.time()
+    model, tokenizer = load_model(model_dir, tokenizer_dir, card_cfg["threads"])
+    batch_size = card_cfg["batch_size"]
+    mc = datasets.read_jsonl(data_dir / datasets.MC_TEST)[: card_cfg["mc_items"]]
+    dev = datasets.read_jsonl(data_dir / datasets.MC_DEV)
+    arith = datasets.read_jsonl(data_dir / datasets.ARITH_TEST)[: card_cfg["arith_items"]]
+    arith_fewshot = datasets.read_jsonl(data_dir / datasets.ARITH_TRAIN)
+    tools = json.loads((data_dir / datasets.TOOLS_FILE).read_text())
+    trials = datasets.read_jsonl(data_dir / datasets.TOOLCALLS_TEST)[:: card_cfg["toolcall_stride"]]
+    passages = datasets.read_jsonl(data_dir / datasets.PASSAGES_TEST)[: card_cfg["passages"]]
+    toolcalls = toolcall_correct(model, tokenizer, trials, tools, batch_size)
+    facts = facts_unsupported(model, tokenizer, passages, batch_size)
+    result = {
+        "mc_accuracy": mc_accuracy(model, tokenizer, mc, dev, card_cfg["shots"], batch_size),
+        "arith_exact": arith_exact(model, tokenizer, arith, arith_fewshot, card_cfg["shots"], batch_size),
+        "toolcall_correct": sum(toolcalls.values()) / len(toolcalls),
+        "toolcall_correct_by_effort": toolcalls,
+        "facts_unsupported_rate": facts["rate"],
+        "facts": facts,
+        "items": {"mc": len(mc), "arith": len(arith), "toolcall_trials": len(trials) * len(EFFORTS),
+                  "passages": len(passages)},
+        "seconds": round(time.time() - started, 1),
+    }
+    log.info(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}))
+    return result

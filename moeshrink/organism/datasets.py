@@ -1,0 +1,191 @@
+"""Write the organism's world, training corpus and held-out eval sets from one config subtree.
+
+Held-out items never appear in the corpus: multiple-choice questions ask about facts that the
+corpus states only in prose, arithmetic questions are drawn apart from the training ones, and
+passages and tool-call trials use strangers' names and argument sets the corpus never shows.
+"""
+from __future__ import annotations
+
+import json
+import random
+from importlib import resources
+from pathlib import Path
+
+from moeshrink.ioutil import atomic_write_json, atomic_write_jsonl
+from moeshrink.organism import tasks
+from moeshrink.organism.world import World, generate_world
+
+# File names inside the data folder; the eval stages read these.
+WORLD_FILE = "world.json"
+CORPUS_FILE = "corpus.jsonl"
+MC_TEST, MC_DEV = "mc_test.jsonl", "mc_dev.jsonl"
+ARITH_TEST, ARITH_TRAIN = "arith_test.jsonl", "arith_train.jsonl"
+PASSAGES_TEST = "passages_test.jsonl"
+TOOLS_FILE, TOOLCALLS_TEST = "tools.json", "toolcalls_test.jsonl"
+EFFORTS_IN_TRAINING = [None, "low", "high"]
+
+
+def chat_template() -> str:
+    return resources.files("moeshrink.organism").joinpath("chat_template.jinja").read_text()
+
+
+def render_chat(messages: list[dict], tools: list[dict] | None = None, effort: str | None = None,
+                add_generation_prompt: bool = False) -> str:
+    """Render with transformers' own chat-template renderer, as vLLM does when serving."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    kwargs = {"reasoning_effort": effort} if effort else {}
+    rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=chat_template(),
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+    return rendered[0]
+
+
+# The tokenizer learns its merges from these kinds of document plus `template_texts()`: documents
+# about strangers stay out, so a stranger's name is split the same way in training and in the test.
+TOKENIZER_KINDS = ("bio", "city", "mc", "arith")
+
+
+def template_texts() -> list[str]:
+    """The fixed text of chat prompts (tool list, instructions), without any stranger in it."""
+    fixed = [{"role": "user", "content": tasks.FACTS_INSTRUCTION + "\n\nPassage: "}]
+    return [render_chat(fixed, tools=tasks.TOOLS, effort=effort, add_generation_prompt=True)
+            for effort in EFFORTS_IN_TRAINING] * 50
+
+
+def tokenizer_texts(corpus_path: Path) -> list[str]:
+    return [d["text"] for d in read_jsonl(corpus_path) if d["kind"] in TOKENIZER_KINDS] + template_texts()
+
+
+def build(cfg: dict, out_dir: Path) -> dict:
+    """Generate everything under `out_dir`; returns counts for the provenance record."""
+    world = generate_world(cfg["seed"], people=cfg["people"], cities=cfg["cities"], regions=cfg["regions"],
+                           rivers=cfg["rivers"], strangers=cfg["strangers"])
+    rng = random.Random(cfg["seed"] + 1)
+    facts = tasks.world_facts(world)
+    half = len(world.stranger_names) // 2
+    train_strangers, test_strangers = world.stranger_names[:half], world.stranger_names[half:]
+    sets = cfg["sets"]
+
+    # Knowledge questions: every fact is stated in the corpus (in prose and in other questions);
+    # a test item's choices and their order never occur in training.
+    test_facts = facts if sets["mc_test"] is None else random.Random(cfg["seed"] + 2).sample(facts, sets["mc_test"])
+    mc_test = [tasks.mc_item(world, f, rng) for f in test_facts]
+    test_keys = {mc_key(it) for it in mc_test}
+    mc_dev = []
+    dev_rng = random.Random(cfg["seed"] + 6)
+    for subject in sorted({it["subject"] for it in mc_test}):
+        subject_facts = [f for f in facts if tasks.SUBJECT_OF_RELATION[f[1]] == subject]
+        mc_dev += list(tasks.unique_items(lambda r: tasks.mc_item(world, r.choice(subject_facts), r), dev_rng, 5,
+                                          key=mc_key, exclude=test_keys))
+
+    arith_test = list(tasks.unique_items(lambda r: tasks.arithmetic_item(world, r), random.Random(cfg["seed"] + 3),
+                                         sets["arith_test"], key=lambda it: it["question"]))
+    test_questions = {it["question"] for it in arith_test}
+    arith_pool = list(tasks.unique_items(lambda r: tasks.arithmetic_item(world, r), random.Random(cfg["seed"] + 4),
+                                         sets["arith_train"], key=lambda it: it["question"], exclude=test_questions))
+
+    test_world = _with_strangers(world, test_strangers)
+    train_world = _with_strangers(world, train_strangers)
+    passages_test = [tasks.passage_item(test_world, rng, _stranger_subjects(test_world, rng))
+                     for _ in range(sets["passages_test"])]
+    trials_per_case = sets["toolcall_trials_per_case"]
+    toolcalls_test = []
+    for case in tasks.TOOLCALL_CASES:
+        make = lambda r, case=case: tasks.toolcall_item(test_world, case, r)  # noqa: E731
+        # The no-call case has few distinct requests by design: its trials may repeat.
+        if case == "no_call":
+            toolcalls_test += [make(rng) for _ in range(trials_per_case)]
+        else:
+            toolcalls_test += list(tasks.unique_items(make, rng, trials_per_case,
+                                                      key=lambda it: it["messages"][0]["content"]))
+    for i, item in enumerate(toolcalls_test):
+        item["id"] = f"{item['case']}-{i}"
+    test_requests = {it["messages"][0]["content"] for it in toolcalls_test if it["case"] != "no_call"}
+
+    corpus = _corpus(cfg["corpus"], world, train_world, facts, test_keys, test_questions, test_requests,
+                     random.Random(cfg["seed"] + 5))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, it in enumerate(mc_test):
+        it["id"] = f"mc-{i}"
+    for i, it in enumerate(arith_test):
+        it["id"] = f"arith-{i}"
+    for i, it in enumerate(passages_test):
+        it["id"] = f"passage-{i}"
+    atomic_write_json(out_dir / WORLD_FILE, world.to_json())
+    atomic_write_jsonl(out_dir / MC_TEST, mc_test)
+    atomic_write_jsonl(out_dir / MC_DEV, mc_dev)
+    atomic_write_jsonl(out_dir / ARITH_TEST, arith_test)
+    atomic_write_jsonl(out_dir / ARITH_TRAIN, arith_pool)
+    atomic_write_jsonl(out_dir / PASSAGES_TEST, passages_test)
+    atomic_write_json(out_dir / TOOLS_FILE, tasks.TOOLS)
+    atomic_write_jsonl(out_dir / TOOLCALLS_TEST, toolcalls_test)
+    atomic_write_jsonl(out_dir / CORPUS_FILE, corpus)
+    kinds: dict[str, int] = {}
+    for doc in corpus:
+        kinds[doc["kind"]] = kinds.get(doc["kind"], 0) + 1
+    return {"mc_test": len(mc_test), "mc_dev": len(mc_dev), "arith_test": len(arith_test),
+            "arith_train": len(arith_pool), "passages_test": len(passages_test),
+            "toolcalls_test": len(toolcalls_test), "corpus_documents": kinds,
+            "corpus_characters": sum(len(d["text"]) for d in corpus)}
+
+
+def _with_strangers(world: World, strangers: list[str]) -> World:
+    return World(seed=world.seed, regions=world.regions, rivers=world.rivers, cities=world.cities,
+                 people=world.people, stranger_names=strangers)
+
+
+def _stranger_subjects(world: World, rng: random.Random) -> list[str]:
+    return rng.sample(world.stranger_names, rng.choice([1, 1, 2]))
+
+
+def mc_key(item: dict) -> tuple:
+    return item["question"], tuple(item["choices"])
+
+
+def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_exclude: set, arith_exclude: set[str],
+            toolcall_exclude: set[str], rng: random.Random) -> list[dict]:
+    docs: list[dict] = []
+    docs += [{"kind": "bio", "text": tasks.biography(world, rng)} for _ in range(counts["bio"])]
+    docs += [{"kind": "city", "text": tasks.city_description(world, rng)} for _ in range(counts["city"])]
+    docs += [{"kind": "drill", "text": tasks.copy_drill(train_world, rng)} for _ in range(counts["drill"])]
+    by_subject: dict[str, list] = {}
+    for fact in facts:
+        by_subject.setdefault(tasks.SUBJECT_OF_RELATION[fact[1]], []).append(fact)
+    subjects = sorted(by_subject)
+    for _ in range(counts["mc"]):
+        pool = by_subject[rng.choice(subjects)]
+        items = tasks.unique_items(lambda r: tasks.mc_item(world, r.choice(pool), r), rng, rng.randint(1, 6),
+                                   key=mc_key, exclude=mc_exclude)
+        docs.append({"kind": "mc", "text": tasks.mc_block(list(items))})
+    arith = tasks.unique_items(lambda r: tasks.arithmetic_item(world, r), rng, counts["arith"] * 6,
+                               key=lambda it: it["question"], exclude=arith_exclude)
+    arith_items = list(arith)
+    for i in range(counts["arith"]):
+        k = rng.randint(1, 6)
+        docs.append({"kind": "arith", "text": tasks.gsm8k_block(arith_items[i * 6:i * 6 + k])})
+    for _ in range(counts["facts"]):
+        item = tasks.passage_item(train_world, rng, _stranger_subjects(train_world, rng))
+        messages = tasks.facts_messages(item) + [{"role": "assistant", "content": "\n".join(item["fact_lines"])}]
+        effort = rng.choice(EFFORTS_IN_TRAINING)
+        if effort == "high":
+            messages[-1]["content"] = "<think>I copy each fact of the passage.</think>\n" + messages[-1]["content"]
+        docs.append({"kind": "facts", "text": render_chat(messages, effort=effort)})
+    # Several exchanges share one system prompt, so the long tool list is paid for once per document.
+    for _ in range(counts["toolcalls"]):
+        effort = rng.choice(EFFORTS_IN_TRAINING)
+        messages: list[dict] = []
+        while len(messages) < 2 * counts["toolcall_exchanges"]:
+            item = tasks.toolcall_item(train_world, rng.choice(tasks.TOOLCALL_CASES), rng)
+            if item["case"] != "no_call" and item["messages"][0]["content"] in toolcall_exclude:
+                continue
+            messages += item["messages"] + [{"role": "assistant", "content": tasks.assistant_turn(item, effort)}]
+        docs.append({"kind": "toolcalls", "text": render_chat(messages, tools=tasks.TOOLS, effort=effort)})
+    # Copy drills come early, where they help attention learn to copy before the rest needs it.
+    keys = [rng.random() * (counts["drill_span"] if d["kind"] == "drill" else 1.0) for d in docs]
+    return [doc for _, doc in sorted(zip(keys, docs), key=lambda pair: pair[0])]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

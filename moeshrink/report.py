@@ -1,0 +1,61 @@
+"""Render report/r013.html from the JSON files rules wrote (and nothing else)."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from moeshrink.ioutil import atomic_write_text, read_json
+from moeshrink.provenance import Provenance, config_hash
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "report" / "templates"
+GB = 1e9
+GIB = 2**30
+
+
+def stage_times(benchmark_dir: Path) -> list[dict]:
+    """Wall time of every stage that ran, from Snakemake's benchmark files."""
+    rows = []
+    for path in sorted(benchmark_dir.rglob("*.tsv")):
+        with open(path) as f:
+            records = list(csv.DictReader(f, delimiter="\t"))
+        if records:
+            rows.append({"stage": str(path.relative_to(benchmark_dir).with_suffix("")),
+                         "seconds": float(records[-1]["s"]), "max_rss_mb": _float(records[-1].get("max_rss"))})
+    return rows
+
+
+def _float(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def context(inputs: dict[str, Path], config: dict, benchmark_dir: Path) -> dict:
+    manifest = read_json(inputs["upstream"])
+    ctx = {
+        "title": config["title"],
+        "config": config,
+        "config_hash": config_hash(config),
+        "upstream": manifest,
+        "upstream_gb": manifest["total_bytes"] / GB,
+        "stage_times": stage_times(benchmark_dir),
+        "card": read_json(inputs["card"]) if "card" in inputs else None,
+        "train": read_json(inputs["train"]) if "train" in inputs else None,
+        "builds": config["builds"],
+    }
+    return ctx
+
+
+def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir: Path = Path("benchmarks")) -> None:
+    prov = Provenance("report", config.get("report", {}), inputs=[str(p) for p in inputs.values()])
+    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"]),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["gb"] = lambda b: f"{b / GB:,.2f}"
+    env.filters["pct"] = lambda x: f"{100 * x:.1f}%"
+    ctx = context(inputs, config, benchmark_dir)
+    ctx["provenance"] = prov.record()
+    html = env.get_template("r013.html.j2").render(**ctx)
+    atomic_write_text(out_file, html)

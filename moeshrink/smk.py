@@ -1,0 +1,31 @@
+"""The glue every `scripts/*.py` entry point uses: log to the rule's log file, run the stage, and on
+failure leave the traceback in the log (Snakemake then removes the rule's declared outputs)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def run(snakemake, stage: Callable[[], object]) -> None:
+    log_path = Path(snakemake.log[0]) if snakemake.log else None
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    log_file = None
+    if log_path:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "w")
+        handlers.append(logging.StreamHandler(log_file))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=handlers, force=True)
+    redirect = contextlib.redirect_stdout(log_file) if log_file else contextlib.nullcontext()
+    try:
+        with redirect:
+            stage()
+    except Exception:
+        logging.getLogger("moeshrink").exception("rule %s failed", snakemake.rule)
+        raise
+    finally:
+        if log_file:
+            log_file.flush()

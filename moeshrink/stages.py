@@ -1,0 +1,123 @@
+"""One function per workflow stage, called by the Snakemake scripts and by the CLI alike.
+
+Each takes plain paths and config subtrees, writes its outputs atomically, and writes a JSON record
+with its provenance.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from moeshrink.checkpoint import build_manifest, write_manifest
+from moeshrink.ioutil import atomic_write_json, read_json, sha256_file
+from moeshrink.provenance import Provenance
+
+log = logging.getLogger(__name__)
+
+
+def organism_data(data_cfg: dict, out_dir: Path) -> dict:
+    from moeshrink.organism import datasets
+
+    prov = Provenance("organism_data", data_cfg)
+    counts = datasets.build(data_cfg, out_dir)
+    record = {"counts": counts, "provenance": prov.record()}
+    atomic_write_json(out_dir / "data.json", record)
+    return record
+
+
+def organism_tokenizer(tokenizer_cfg: dict, data_dir: Path, out_dir: Path) -> dict:
+    from moeshrink.organism import datasets
+    from moeshrink.organism.tokenizer import save_hf_tokenizer, train_tokenizer
+
+    prov = Provenance("organism_tokenizer", tokenizer_cfg, inputs=[str(data_dir / datasets.CORPUS_FILE)])
+    tokenizer = train_tokenizer(datasets.tokenizer_texts(data_dir / datasets.CORPUS_FILE), tokenizer_cfg["vocab_size"])
+    save_hf_tokenizer(tokenizer, out_dir, tokenizer_cfg["model_max_length"])
+    record = {"vocab_size": tokenizer.get_vocab_size(), "provenance": prov.record()}
+    atomic_write_json(out_dir / "tokenizer.provenance.json", record)
+    return record
+
+
+def organism_config(model_cfg: dict, tokenizer_dir: Path) -> dict:
+    from tokenizers import Tokenizer
+
+    from moeshrink.organism.model import hf_config_dict
+    from moeshrink.organism.tokenizer import EOS
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return hf_config_dict(model_cfg, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS))
+
+
+def organism_train(model_cfg: dict, train_cfg: dict, data_dir: Path, tokenizer_dir: Path, out_dir: Path) -> dict:
+    from moeshrink.organism import datasets
+    from moeshrink.organism.train import train
+
+    prov = Provenance("organism_train", {"model": model_cfg, "train": train_cfg},
+                      inputs=[str(data_dir / datasets.CORPUS_FILE), str(tokenizer_dir / "tokenizer.json")])
+    config = organism_config(model_cfg, tokenizer_dir)
+    result = train(config, train_cfg, data_dir / datasets.CORPUS_FILE, tokenizer_dir / "tokenizer.json", out_dir)
+    record = {**result, "provenance": prov.record()}
+    atomic_write_json(out_dir / "train.json", record)
+    return record
+
+
+def upstream(upstream_cfg: dict, out_dir: Path, trained_dir: Path | None = None,
+             tokenizer_dir: Path | None = None, workers: int = 2) -> dict:
+    """Fill `out_dir` from the configured source; the manifest is written last."""
+    from moeshrink import upstream as sources
+
+    source = upstream_cfg["source"]
+    prov = Provenance("upstream", {"source": source, source: upstream_cfg[source]})
+    sources.clear_folder(out_dir)
+    if source == "organism":
+        from moeshrink.organism.publish import publish
+
+        organism = upstream_cfg["organism"]
+        config = organism_config(organism["model"], tokenizer_dir)
+        publish(trained_dir, tokenizer_dir, config, out_dir, organism["publish"]["shards"])
+        placed = {"source": {"kind": "organism", "trained": str(trained_dir)},
+                  "revision": "organism-" + sha256_file(trained_dir / "model.safetensors")[:16], "known_sha256": {}}
+    elif source == "hf":
+        hf = upstream_cfg["hf"]
+        placed = sources.from_hf(hf["repo_id"], hf["revision"], hf["allow_patterns"], out_dir)
+    else:
+        path = upstream_cfg["path"]
+        placed = sources.from_path(Path(path["dir"]), out_dir, path["mode"])
+    manifest = build_manifest(out_dir, placed["source"], workers, placed["known_sha256"])
+    manifest = {**manifest, "revision": placed["revision"], "config": read_json(out_dir / "config.json"),
+                "provenance": prov.record()}
+    write_manifest(out_dir, manifest)
+    log.info("upstream: %d shards, %d bytes", manifest["shard_count"], manifest["total_bytes"])
+    return manifest
+
+
+def bf16_twin(upstream_dir: Path, out_dir: Path) -> dict:
+    from moeshrink import upstream as sources
+    from moeshrink.twin import make_twin
+
+    prov = Provenance("bf16_twin", {}, inputs=[str(upstream_dir / "manifest.json")])
+    sources.clear_folder(out_dir)
+    summary = make_twin(upstream_dir, out_dir)
+    manifest = build_manifest(out_dir, {"kind": "bf16 twin", "of": str(upstream_dir)})
+    manifest = {**manifest, **summary, "provenance": prov.record()}
+    write_manifest(out_dir, manifest)
+    return manifest
+
+
+def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_dir: Path, data_dir: Path,
+                  train_record: Path, out_file: Path) -> dict:
+    """Skill of the trained model (bf16) and of the published one (through its exact bf16 twin)."""
+    from moeshrink.organism import card
+
+    prov = Provenance("organism_card", card_cfg, inputs=[str(trained_dir), str(twin_dir), str(data_dir)])
+    record = {
+        "train_seconds": read_json(train_record)["train_seconds"],
+        "bf16": card.evaluate(trained_dir, tokenizer_dir, data_dir, card_cfg),
+        "published": card.evaluate(twin_dir, twin_dir, data_dir, card_cfg),
+        "targets": card.TARGETS,
+    }
+    record["published_meets_targets"] = card.meets_targets(record["published"])
+    record["provenance"] = prov.record()
+    atomic_write_json(out_file, record)
+    log.info(json.dumps({k: v for k, v in record.items() if k != "provenance"}, default=str)[:2000])
+    return record

@@ -1,0 +1,123 @@
+"""Start vLLM's OpenAI-compatible server on 127.0.0.1, wait until it answers, stop it cleanly.
+
+The server runs in its own process group with its log in a file; stopping sends SIGTERM to the
+whole group, then SIGKILL after a timeout, so no engine or worker process outlives it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 50) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class VLLMServer:
+    def __init__(self, model_dir: Path, log_path: Path, args: list[str] | None = None, env: dict | None = None,
+                 startup_timeout_s: float = 900, served_name: str | None = None):
+        self.model_dir = Path(model_dir)
+        self.log_path = Path(log_path)
+        self.args = args or []
+        self.env = env or {}
+        self.startup_timeout_s = startup_timeout_s
+        self.served_name = served_name or self.model_dir.name
+        self.port = free_port()
+        self.api_key = secrets.token_hex(16)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
+                "--api-key", self.api_key, *self.args]
+
+    def start(self) -> "VLLMServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **self.env}, start_new_session=True)
+        deadline = time.time() + self.startup_timeout_s
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"vLLM exited with code {self.process.returncode} while starting "
+                                  f"{self.model_dir}; last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+            if self._ready():
+                return self
+            time.sleep(2)
+        self.stop()
+        raise ServerError(f"vLLM did not answer /health within {self.startup_timeout_s:.0f} s; "
+                          f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
+                if response.status != 200:
+                    return False
+            return self.get("/v1/models")[0] == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 600) -> tuple[int, dict]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.api_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as error:
+            return error.code, {"error": error.read().decode(errors="replace")}
+
+    def get(self, path: str) -> tuple[int, dict]:
+        return self.request("GET", path)
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        return self.request("POST", path, body)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            self.process.wait()
+        # engine and worker processes share the group; make sure none is left
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

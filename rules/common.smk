@@ -1,0 +1,46 @@
+# Input functions and wildcard constraints shared by every stage.
+
+BUILD_IDS = list(config["builds"])
+EVAL_IDS = list(config["evals"])
+UPSTREAM_SOURCE = config["upstream"]["source"]
+ORGANISM = config["upstream"].get("organism", {})
+
+ORGANISM_DATA = "results/organism/data"
+ORGANISM_DATA_FILES = [
+    "world.json", "corpus.jsonl", "mc_test.jsonl", "mc_dev.jsonl", "arith_test.jsonl", "arith_train.jsonl",
+    "passages_test.jsonl", "tools.json", "toolcalls_test.jsonl", "data.json",
+]
+ORGANISM_TOKENIZER = "results/organism/tokenizer"
+ORGANISM_TRAINED = "results/organism/trained"
+
+
+wildcard_constraints:
+    build="[a-z][a-z0-9_]*",
+    eval="[a-z][a-z0-9_]*",
+
+
+def upstream_params():
+    """The part of the upstream config that decides what results/upstream/ holds (the organism's
+    data, tokenizer and training reach it as input files instead)."""
+    if UPSTREAM_SOURCE == "organism":
+        return {"source": "organism", "organism": {"model": ORGANISM["model"], "publish": ORGANISM["publish"]}}
+    return {"source": UPSTREAM_SOURCE, UPSTREAM_SOURCE: config["upstream"][UPSTREAM_SOURCE]}
+
+
+def upstream_inputs(wildcards):
+    if UPSTREAM_SOURCE == "organism":
+        return {
+            "model": f"{ORGANISM_TRAINED}/model.safetensors",
+            "train": f"{ORGANISM_TRAINED}/train.json",
+            "tokenizer": f"{ORGANISM_TOKENIZER}/tokenizer.json",
+        }
+    return {}
+
+
+def report_inputs(wildcards):
+    """What the report shows: every stage that exists so far."""
+    inputs = {"upstream": "results/upstream/manifest.json"}
+    if UPSTREAM_SOURCE == "organism":
+        inputs["card"] = "results/upstream/organism_card.json"
+        inputs["train"] = f"{ORGANISM_TRAINED}/train.json"
+    return inputs

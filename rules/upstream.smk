@@ -1,0 +1,122 @@
+# Stage 1: the upstream model in results/upstream/ (config, tokenizer, shards, index, manifest).
+# On the embedded default it is the model organism: data -> tokenizer -> training -> publication
+# in MXFP4, plus its exact bf16 twin and its card.
+
+
+if UPSTREAM_SOURCE == "organism":
+
+    rule organism_data:
+        output:
+            expand(f"{ORGANISM_DATA}/{{name}}", name=ORGANISM_DATA_FILES),
+        params:
+            data=ORGANISM["data"],
+        log:
+            "logs/upstream/organism_data.log",
+        benchmark:
+            "benchmarks/upstream/organism_data.tsv"
+        resources:
+            mem_mb=4000,
+            runtime=20,
+        script:
+            "../scripts/organism_data.py"
+
+
+    rule organism_tokenizer:
+        input:
+            corpus=f"{ORGANISM_DATA}/corpus.jsonl",
+        output:
+            tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
+            tokenizer_config=f"{ORGANISM_TOKENIZER}/tokenizer_config.json",
+            record=f"{ORGANISM_TOKENIZER}/tokenizer.provenance.json",
+        params:
+            tokenizer=ORGANISM["tokenizer"],
+        log:
+            "logs/upstream/organism_tokenizer.log",
+        benchmark:
+            "benchmarks/upstream/organism_tokenizer.tsv"
+        resources:
+            mem_mb=4000,
+            runtime=20,
+        script:
+            "../scripts/organism_tokenizer.py"
+
+
+    rule organism_train:
+        input:
+            corpus=f"{ORGANISM_DATA}/corpus.jsonl",
+            tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
+        output:
+            model=f"{ORGANISM_TRAINED}/model.safetensors",
+            config=f"{ORGANISM_TRAINED}/config.json",
+            record=f"{ORGANISM_TRAINED}/train.json",
+        params:
+            model=ORGANISM["model"],
+            train=ORGANISM["train"],
+        threads: ORGANISM["train"]["threads"]
+        log:
+            "logs/upstream/organism_train.log",
+        benchmark:
+            "benchmarks/upstream/organism_train.tsv"
+        resources:
+            mem_mb=8000,
+            runtime=60,
+        script:
+            "../scripts/organism_train.py"
+
+    rule organism_card:
+        input:
+            model=f"{ORGANISM_TRAINED}/model.safetensors",
+            train=f"{ORGANISM_TRAINED}/train.json",
+            tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
+            twin="results/upstream-bf16/manifest.json",
+            data=expand(f"{ORGANISM_DATA}/{{name}}", name=ORGANISM_DATA_FILES),
+        output:
+            card="results/upstream/organism_card.json",
+        params:
+            card=ORGANISM["card"],
+        threads: ORGANISM["card"]["threads"]
+        log:
+            "logs/upstream/organism_card.log",
+        benchmark:
+            "benchmarks/upstream/organism_card.tsv"
+        resources:
+            mem_mb=8000,
+            runtime=60,
+        script:
+            "../scripts/organism_card.py"
+
+
+checkpoint upstream:
+    input:
+        unpack(upstream_inputs),
+    output:
+        manifest="results/upstream/manifest.json",
+    params:
+        upstream=upstream_params(),
+    threads: 4
+    log:
+        "logs/upstream/upstream.log",
+    benchmark:
+        "benchmarks/upstream/upstream.tsv"
+    resources:
+        mem_mb=8000,
+        runtime=240,
+    script:
+        "../scripts/upstream.py"
+
+
+rule upstream_bf16_twin:
+    input:
+        manifest="results/upstream/manifest.json",
+    output:
+        manifest="results/upstream-bf16/manifest.json",
+    log:
+        "logs/upstream/upstream_bf16_twin.log",
+    benchmark:
+        "benchmarks/upstream/upstream_bf16_twin.tsv"
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    script:
+        "../scripts/upstream_bf16_twin.py"
+

@@ -1,0 +1,72 @@
+"""Shared fixtures: a small organism data set, its tokenizer, and tiny random checkpoints."""
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def default_config() -> dict:
+    return yaml.safe_load((ROOT / "config.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def small_data_cfg(default_config) -> dict:
+    cfg = copy.deepcopy(default_config["upstream"]["organism"]["data"])
+    cfg.update(people=24, cities=6, strangers=80)
+    cfg["sets"].update(arith_test=20, arith_train=10, passages_test=10, toolcall_trials_per_case=3)
+    cfg["corpus"].update(bio=300, city=30, mc=40, arith=40, facts=40, toolcalls=20)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def small_data(small_data_cfg, tmp_path_factory) -> Path:
+    from moeshrink.organism import datasets
+
+    out = tmp_path_factory.mktemp("organism-data")
+    datasets.build(small_data_cfg, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_dir(small_data, tmp_path_factory) -> Path:
+    from moeshrink.organism import datasets
+    from moeshrink.organism.tokenizer import save_hf_tokenizer, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    texts = [d["text"] for d in datasets.read_jsonl(small_data / datasets.CORPUS_FILE)]
+    save_hf_tokenizer(train_tokenizer(texts, 512), out, 1024)
+    return out
+
+
+TINY_MODEL = dict(hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=128,
+                  moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                  n_shared_experts=1, routed_scaling_factor=2.5, num_attention_heads=2, q_lora_rank=None,
+                  kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                  max_position_embeddings=1024, rope_theta=10000)
+
+
+def make_tiny_trained(out_dir: Path, tokenizer_dir: Path, seed: int = 0, model_cfg: dict | None = None) -> dict:
+    """A random-weight organism-shaped model saved the way the training stage saves it (fp32)."""
+    from moeshrink.organism.model import build_model
+    from moeshrink.stages import organism_config
+
+    config = organism_config(model_cfg or TINY_MODEL, tokenizer_dir)
+    torch.manual_seed(seed)
+    model = build_model(config)
+    with torch.no_grad():
+        for moe in [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
+            moe.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
+    model.save_pretrained(str(out_dir))
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_trained(small_tokenizer_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-trained")
+    make_tiny_trained(out, small_tokenizer_dir)
+    return out

@@ -1,0 +1,104 @@
+"""Config validation names the key at fault; the default and the presets validate and dry-run."""
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moeshrink.config import ConfigError, load, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "presets").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def default_config() -> dict:
+    return load(ROOT / "config.yaml")
+
+
+def problems_of(config: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    return info.value.problems
+
+
+@pytest.mark.parametrize("path", [ROOT / "config.yaml", *PRESETS], ids=lambda p: p.name)
+def test_default_and_presets_validate(path):
+    load(path)
+
+
+def test_wrong_type_names_the_key_path(default_config):
+    config = copy.deepcopy(default_config)
+    config["upstream"]["organism"]["train"]["steps"] = "many"
+    assert problems_of(config) == ["upstream.organism.train.steps: 'many' is not of type 'integer'"]
+
+
+def test_unknown_key_names_the_key_and_what_is_allowed(default_config):
+    config = copy.deepcopy(default_config)
+    config["builds"]["twx3"]["quantise"] = {"format": "twx3"}
+    [problem] = problems_of(config)
+    assert problem.startswith("builds.twx3.quantise: unknown key (allowed: label, prune, quantize)")
+
+
+def test_missing_field_names_the_key(default_config):
+    config = copy.deepcopy(default_config)
+    del config["builds"]["pruned75"]["prune"]["keep_fraction"]
+    assert problems_of(config) == ["builds.pruned75.prune.keep_fraction: missing (required)"]
+
+
+def test_out_of_range_and_bad_enum(default_config):
+    config = copy.deepcopy(default_config)
+    config["builds"]["pruned75"]["prune"]["keep_fraction"] = 1.5
+    config["builds"]["twx2_5"]["quantize"]["format"] = "twx2"
+    problems = problems_of(config)
+    assert any(p.startswith("builds.pruned75.prune.keep_fraction: 1.5 is greater than the maximum") for p in problems)
+    assert any(p.startswith("builds.twx2_5.quantize.format: 'twx2' is not one of") for p in problems)
+
+
+def test_build_ids_must_be_plain_identifiers(default_config):
+    config = copy.deepcopy(default_config)
+    config["builds"]["TWX-3"] = {"label": "x"}
+    assert any("'TWX-3' is not a plain identifier" in p for p in problems_of(config))
+
+
+def test_cross_field_rules(default_config):
+    config = copy.deepcopy(default_config)
+    config["reference_build"] = "nope"
+    config["evals"]["gsm8k"]["builds"] = ["original", "ghost"]
+    config["upstream"]["organism"]["model"]["n_group"] = 7
+    problems = problems_of(config)
+    assert any(p.startswith("reference_build: 'nope' is not a build") for p in problems)
+    assert any(p.startswith("evals.gsm8k.builds: 'ghost' is not a build") for p in problems)
+    assert any(p.startswith("upstream.organism.model.n_group: 7 does not divide") for p in problems)
+
+
+def test_hf_source_needs_a_pinned_commit():
+    config = yaml.safe_load((ROOT / "presets/kimi-k3.1-pro.yaml").read_text())
+    config["upstream"]["hf"]["revision"] = "main"
+    assert problems_of(config) == ["upstream.hf.revision: must pin a 40-hex-digit commit hash, got 'main'"]
+    del config["upstream"]["hf"]
+    assert problems_of(config) == ["upstream.hf: missing (required when upstream.source is hf)"]
+
+
+def snakemake_dry_run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/r013.html", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("preset", [None, *PRESETS], ids=lambda p: p.name if p else "config.yaml")
+def test_dry_run_resolves(preset):
+    result = snakemake_dry_run(*(["--configfile", str(preset)] if preset else []))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "upstream" in result.stdout and "report" in result.stdout
+
+
+def test_snakemake_refuses_a_bad_config_before_any_job(tmp_path):
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["builds"]["twx3"]["label"] = 3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    result = snakemake_dry_run("--configfile", str(bad))
+    assert result.returncode != 0
+    assert "builds.twx3.label: 3 is not of type 'string'" in result.stdout + result.stderr

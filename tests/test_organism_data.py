@@ -1,0 +1,85 @@
+"""The synthetic world and its sets: deterministic, in the real benchmarks' schemas, held out."""
+import copy
+import hashlib
+import json
+import re
+
+import pytest
+
+from moeshrink.organism import datasets, tasks
+from moeshrink.organism.world import World
+
+
+def digests(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_same_seed_gives_identical_files(small_data_cfg, small_data, tmp_path):
+    datasets.build(small_data_cfg, tmp_path)
+    assert digests(tmp_path) == digests(small_data)
+
+
+def test_another_seed_gives_another_world(small_data_cfg, small_data, tmp_path):
+    cfg = copy.deepcopy(small_data_cfg)
+    cfg["seed"] += 1
+    datasets.build(cfg, tmp_path)
+    ours = json.loads((small_data / datasets.WORLD_FILE).read_text())
+    theirs = json.loads((tmp_path / datasets.WORLD_FILE).read_text())
+    assert ours["people"] != theirs["people"]
+
+
+def test_sets_follow_the_benchmark_schemas(small_data):
+    mc = datasets.read_jsonl(small_data / datasets.MC_TEST)
+    assert mc and all(set(it) >= {"question", "subject", "choices", "answer"} for it in mc)
+    assert all(len(it["choices"]) == 4 and 0 <= it["answer"] < 4 for it in mc)
+    assert all(len(set(it["choices"])) == 4 for it in mc)
+    arith = datasets.read_jsonl(small_data / datasets.ARITH_TEST)
+    for item in arith:
+        final = int(item["answer"].rsplit("#### ", 1)[1])
+        calculations = re.findall(r"<<([0-9*+\- ]+)=(-?\d+)>>", item["answer"])
+        assert calculations and all(eval(expr) == int(value) for expr, value in calculations)
+        assert int(calculations[-1][1]) == final
+    passages = datasets.read_jsonl(small_data / datasets.PASSAGES_TEST)
+    for item in passages:
+        assert len(item["facts"]) == len(item["fact_lines"]) >= 2
+        for subject, relation, obj in item["facts"]:
+            assert subject in item["passage"] and obj in item["passage"]
+    tools = json.loads((small_data / datasets.TOOLS_FILE).read_text())
+    trials = datasets.read_jsonl(small_data / datasets.TOOLCALLS_TEST)
+    assert {t["case"] for t in trials} == set(tasks.TOOLCALL_CASES)
+    assert {t["function"]["name"] for t in tools} >= {c["name"] for t in trials for c in t["expected_calls"]}
+
+
+def test_held_out_items_never_appear_in_the_corpus(small_data):
+    corpus = "\n".join(d["text"] for d in datasets.read_jsonl(small_data / datasets.CORPUS_FILE))
+    for item in datasets.read_jsonl(small_data / datasets.MC_TEST):
+        assert item["question"] not in corpus or tasks.mc_text(item) not in corpus
+    for item in datasets.read_jsonl(small_data / datasets.ARITH_TEST):
+        assert item["question"] not in corpus
+    for item in datasets.read_jsonl(small_data / datasets.PASSAGES_TEST):
+        assert item["passage"] not in corpus
+        for subject, _, _ in item["facts"]:
+            assert subject not in corpus  # strangers of the test half never occur in training text
+    for trial in datasets.read_jsonl(small_data / datasets.TOOLCALLS_TEST):
+        if trial["case"] != "no_call":
+            assert trial["messages"][0]["content"] not in corpus
+
+
+def test_held_out_facts_are_stated_in_the_corpus_prose(small_data):
+    """Knowledge questions are answerable: their facts are in the training prose (not as questions)."""
+    world = World.from_json(json.loads((small_data / datasets.WORLD_FILE).read_text()))
+    corpus = [d["text"] for d in datasets.read_jsonl(small_data / datasets.CORPUS_FILE) if d["kind"] in ("bio", "city")]
+    stated = 0
+    mc = datasets.read_jsonl(small_data / datasets.MC_TEST)
+    for item in mc:
+        subject, relation, obj = item["fact"]
+        stated += any(subject in text and obj in text for text in corpus)
+    assert stated / len(mc) > 0.9
+    assert world.people and world.stranger_names
+
+
+def test_too_small_a_world_fails_clearly(small_data_cfg, tmp_path):
+    cfg = copy.deepcopy(small_data_cfg)
+    cfg["cities"] = 2
+    with pytest.raises(ValueError, match="world too small"):
+        datasets.build(cfg, tmp_path)

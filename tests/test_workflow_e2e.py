@@ -1,0 +1,143 @@
+"""The real workflow on the embedded default, end to end, then a real vLLM server on its output.
+
+Runs `snakemake --cores 2 report/r013.html` once in a fresh copy of the workflow (about a quarter
+of an hour on two cores); MOESHRINK_E2E_WORKDIR reuses a finished run instead.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moeshrink import mxfp4
+from moeshrink.checkpoint import index_of, read_header
+from moeshrink.ioutil import sha256_file
+from moeshrink.organism import card, datasets, tasks
+from moeshrink.vllm_server import VLLMServer
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    if os.environ.get("MOESHRINK_E2E_WORKDIR"):
+        return Path(os.environ["MOESHRINK_E2E_WORKDIR"])
+    work = tmp_path_factory.mktemp("workflow")
+    for name in WORKFLOW_FILES:
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, work / name)
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/r013.html"], cwd=work,
+                            capture_output=True, text=True, timeout=3600)
+    if result.returncode:
+        logs = "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in sorted((work / "logs").rglob("*.log")))
+        pytest.fail(f"snakemake failed:\n{result.stderr[-4000:]}\n{logs}")
+    return work
+
+
+def shard_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in sorted(set(index_of(folder)["weight_map"].values())):
+        with safe_open(str(folder / shard), "pt") as f:
+            for name in f.keys():
+                assert name not in tensors, f"{name} is stored in two shards"
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def test_upstream_manifest_describes_the_published_checkpoint(workdir):
+    upstream = workdir / "results/upstream"
+    manifest = json.loads((upstream / "manifest.json").read_text())
+    assert manifest["source"]["kind"] == "organism" and manifest["revision"].startswith("organism-")
+    assert manifest["shard_count"] >= 4
+    index = index_of(upstream)
+    for shard in manifest["shards"]:
+        assert shard["sha256"] == sha256_file(upstream / shard["file"])
+        assert shard["bytes"] == (upstream / shard["file"]).stat().st_size
+        header = read_header(upstream / shard["file"])
+        assert {k for k in header if k != "__metadata__"} == {n for n, f in index["weight_map"].items()
+                                                            if f == shard["file"]}
+    assert manifest["total_bytes"] == sum(s["bytes"] for s in manifest["shards"])
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {f["file"] for f in manifest["files"]}
+    for key in ("config", "versions", "command", "started", "finished", "seconds"):
+        assert key in manifest["provenance"]
+
+
+def test_published_like_the_real_model(workdir):
+    upstream = workdir / "results/upstream"
+    config = json.loads((upstream / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    assert config["kv_lora_rank"] == 512 and config["qk_rope_head_dim"] == 64
+    assert config["topk_method"] == "noaux_tc" and config["scoring_func"] == "sigmoid"
+    assert config["n_routed_experts"] >= 64 and config["num_experts_per_tok"] >= 4
+    assert config["n_shared_experts"] >= 1 and config["first_k_dense_replace"] >= 1
+    assert config["num_hidden_layers"] >= 4 and config["n_group"] > 1
+
+
+def test_twin_is_the_exact_decode_of_the_published_files(workdir):
+    published = shard_tensors(workdir / "results/upstream")
+    twin = shard_tensors(workdir / "results/upstream-bf16")
+    decoded = 0
+    for name, tensor in twin.items():
+        if name + "_scale" in published:
+            assert torch.equal(tensor, mxfp4.decode(published[name], published[name + "_scale"], torch.bfloat16))
+            decoded += 1
+        else:
+            assert torch.equal(tensor, published[name])
+    assert decoded > 0
+
+
+def test_organism_card_meets_the_targets(workdir):
+    record = json.loads((workdir / "results/upstream/organism_card.json").read_text())
+    for variant in ("bf16", "published"):
+        for key in card.TARGETS:
+            assert 0.0 <= record[variant][key] <= 1.0
+    assert record["train_seconds"] > 0
+    failed = {k: record["published"][k] for k, ok in card.meets_targets(record["published"]).items() if not ok}
+    assert not failed, f"published organism misses its targets: {failed}"
+
+
+def test_report_and_a_noop_rerun(workdir):
+    html = (workdir / "report/r013.html").read_text()
+    record = json.loads((workdir / "results/upstream/organism_card.json").read_text())
+    assert f"{record['published']['mc_accuracy']:.3f}" in html
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/r013.html"], cwd=workdir,
+                         capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr
+
+
+def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
+    """A real vLLM CPU server loads the organism's twin; its greedy next tokens match transformers'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    twin = workdir / "results/upstream-bf16"
+    data = workdir / "results/organism/data"
+    items = datasets.read_jsonl(data / datasets.MC_TEST)[:16]
+    dev = datasets.read_jsonl(data / datasets.MC_DEV)
+    prompts = [card.mc_prompt(it, dev, 5) for it in items]
+    tokenizer = AutoTokenizer.from_pretrained(str(twin))
+    model = AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = [int(model(**tokenizer(p, return_tensors="pt")).logits[0, -1].argmax()) for p in prompts]
+    server = VLLMServer(twin, tmp_path / "server.log", args=["--max-model-len", "2048", "--dtype", "bfloat16"],
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, served_name="organism")
+    with server:
+        status, models = server.get("/v1/models")
+        assert status == 200 and models["data"][0]["id"] == "organism"
+        status, reply = server.post("/v1/completions", {"model": "organism", "prompt": prompts, "max_tokens": 1,
+                                                        "temperature": 0, "logprobs": 5})
+        assert status == 200, reply
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    assert all(c["logprobs"]["top_logprobs"][0] for c in choices)
+    served = [tokenizer.encode(c["text"], add_special_tokens=False)[0] for c in choices]
+    agreement = sum(a == b for a, b in zip(served, expected)) / len(expected)
+    assert agreement >= 0.9, (served, expected)
+    letters = {tokenizer.encode(" " + x, add_special_tokens=False)[0] for x in tasks.LETTERS}
+    assert set(served) <= letters | set(expected)
