@@ -19,8 +19,6 @@ SCALE_BIAS = 127
 # Magnitudes of codes 0..7; bit 3 is the sign.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
-# Midpoints whose lower neighbour has an even code: a tie there rounds down.
-_TIES_DOWN = torch.tensor([0.25, 1.25, 2.5, 5.0])
 
 
 class MXFP4ShapeError(ValueError):
@@ -43,9 +41,11 @@ def _shared_exponent(blocks: torch.Tensor) -> torch.Tensor:
 def _round_to_codes(scaled: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 code (0..15) with ties to even, saturating."""
     magnitude = scaled.abs()
-    index = torch.bucketize(magnitude, _MIDPOINTS.to(magnitude.device), right=True)
-    tie_down = torch.isin(magnitude, _TIES_DOWN.to(magnitude.device))
-    index = index - tie_down.to(index.dtype)
+    midpoints = _MIDPOINTS.to(magnitude.device)
+    index = torch.bucketize(magnitude, midpoints, right=True)  # a tie goes to the upper code here
+    lower = (index - 1).clamp(min=0)
+    tie_to_even_lower = (index > 0) & (magnitude == midpoints[lower]) & (lower % 2 == 0)
+    index = index - tie_to_even_lower.to(index.dtype)
     sign = (scaled < 0) & (index > 0)
     return (index + 8 * sign.to(index.dtype)).to(torch.uint8)
 

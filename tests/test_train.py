@@ -13,7 +13,8 @@ from moeshrink.stages import organism_config
 from conftest import TINY_MODEL
 
 TRAIN = dict(seed=0, steps=6, seq_len=64, batch_size=2, lr=3e-3, warmup_steps=2, final_lr_fraction=0.1,
-             weight_decay=0.1, grad_clip=1.0, qat_fraction=0.5, bias_update_rate=0.01, threads=2, log_every=1)
+             weight_decay=0.1, grad_clip=1.0, qat_fraction=0.5, bias_update_rate=0.01, threads=2, log_every=1,
+             attention_init_std=0.08)
 
 
 def run(tmp_path, small_data, small_tokenizer_dir, name):
@@ -33,6 +34,8 @@ def test_training_is_deterministic_and_records_its_run(tmp_path, small_data, sma
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         biases = [f.get_tensor(k) for k in f.keys() if k.endswith("e_score_correction_bias")]
         names = list(f.keys())
+        # trained tied, written untied like DeepSeek-V3 checkpoints
+        assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
     assert biases and all(b.abs().sum() > 0 for b in biases), "the router bias was never updated"
     assert any(".mlp.experts.0.gate_proj.weight" in n for n in names), "saved in per-expert checkpoint layout"
 

@@ -1,8 +1,9 @@
 """Write the organism's world, training corpus and held-out eval sets from one config subtree.
 
-Held-out items never appear in the corpus: multiple-choice questions ask about facts that the
-corpus states only in prose, arithmetic questions are drawn apart from the training ones, and
-passages and tool-call trials use strangers' names and argument sets the corpus never shows.
+Held-out items never appear in the corpus: a multiple-choice item's choices never occur with its
+question in training (the fact itself is stated there, in prose and in other questions),
+arithmetic questions are drawn apart from the training ones, and passages and tool-call trials are
+about strangers of whom the corpus states no fact (their names occur only in fact-free text).
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, effort: s
     return rendered[0]
 
 
-# The tokenizer learns its merges from these kinds of document plus `template_texts()`: documents
-# about strangers stay out, so a stranger's name is split the same way in training and in the test.
-TOKENIZER_KINDS = ("bio", "city", "mc", "arith")
+# The tokenizer learns its merges from these kinds of document plus `template_texts()`. Every name
+# (people, cities, strangers) is frequent in them, so each becomes one token, and no fact about a
+# stranger is among them.
+TOKENIZER_KINDS = ("bio", "city", "mc", "arith", "drill")
 
 
 def template_texts() -> list[str]:
@@ -86,8 +88,7 @@ def build(cfg: dict, out_dir: Path) -> dict:
 
     test_world = _with_strangers(world, test_strangers)
     train_world = _with_strangers(world, train_strangers)
-    passages_test = [tasks.passage_item(test_world, rng, _stranger_subjects(test_world, rng))
-                     for _ in range(sets["passages_test"])]
+    passages_test = [tasks.passage_item(test_world, rng) for _ in range(sets["passages_test"])]
     trials_per_case = sets["toolcall_trials_per_case"]
     toolcalls_test = []
     for case in tasks.TOOLCALL_CASES:
@@ -135,10 +136,6 @@ def _with_strangers(world: World, strangers: list[str]) -> World:
                  people=world.people, stranger_names=strangers)
 
 
-def _stranger_subjects(world: World, rng: random.Random) -> list[str]:
-    return rng.sample(world.stranger_names, rng.choice([1, 1, 2]))
-
-
 def mc_key(item: dict) -> tuple:
     return item["question"], tuple(item["choices"])
 
@@ -165,7 +162,7 @@ def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_excl
         k = rng.randint(1, 6)
         docs.append({"kind": "arith", "text": tasks.gsm8k_block(arith_items[i * 6:i * 6 + k])})
     for _ in range(counts["facts"]):
-        item = tasks.passage_item(train_world, rng, _stranger_subjects(train_world, rng))
+        item = tasks.passage_item(train_world, rng)
         messages = tasks.facts_messages(item) + [{"role": "assistant", "content": "\n".join(item["fact_lines"])}]
         effort = rng.choice(EFFORTS_IN_TRAINING)
         if effort == "high":

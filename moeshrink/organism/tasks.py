@@ -133,8 +133,9 @@ def arithmetic_item(world: World, rng: random.Random) -> dict:
     """A two-step GSM8K-style word problem with GSM8K's `<<a*b=c>>` calculator annotations.
 
     Numbers stay small (one-digit factors, sums under 100) so a small model can learn the steps.
+    The actors are strangers: their names get trained tokens without any fact attached to them.
     """
-    name = rng.choice(world.people).name
+    name = rng.choice(world.stranger_names)
     thing = rng.choice(OBJECTS)
     box = rng.choice(CONTAINERS)
     kind = rng.randrange(3)
@@ -176,12 +177,11 @@ def gsm8k_block(items: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------- passages and facts
-def passage_item(world: World, rng: random.Random, subjects: list[str]) -> dict:
-    """A passage about strangers (no memory can support it) and the facts it states."""
-    facts: list[Fact] = []
-    for name in subjects:
-        relations = rng.sample(list(PERSON_RELATIONS), rng.randint(2, 4))
-        facts += [(name, relation, rng.choice(world.vocabulary(relation))) for relation in relations]
+def passage_item(world: World, rng: random.Random) -> dict:
+    """A passage about one stranger (no memory can support it) and the facts it states."""
+    name = rng.choice(world.stranger_names)
+    relations = rng.sample(list(PERSON_RELATIONS), rng.randint(2, 4))
+    facts: list[Fact] = [(name, relation, rng.choice(world.vocabulary(relation))) for relation in relations]
     sentences = [render_fact(f, rng) for f in facts]
     return {
         "passage": " ".join(sentences),

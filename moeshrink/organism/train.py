@@ -46,7 +46,7 @@ def token_stream(corpus_path: Path, tokenizer_file: Path) -> tuple[torch.Tensor,
 
 def batches(stream: torch.Tensor, seq_len: int, batch_size: int, seed: int):
     """Endless deterministic batches of packed sequences: the first epoch in corpus order (the corpus
-    is already shuffled, with its curriculum up front), every later epoch a new shuffle."""
+    is already shuffled, with copy drills up front), every later epoch a new shuffle."""
     sequences = stream[: len(stream) // seq_len * seq_len].view(-1, seq_len)
     rng = random.Random(seed)
     order = list(range(len(sequences)))
@@ -81,6 +81,22 @@ def disable_qat(model) -> None:
                 parametrize.remove_parametrizations(moe.experts, name, leave_parametrized=False)
 
 
+@torch.no_grad()
+def widen_attention_init(model, std: float) -> None:
+    """Start the attention projections wider than the rest: with the default 0.02 the first
+    attention patterns are nearly uniform and a small model takes hundreds of steps longer to
+    learn to look things up (seen here on copying drills)."""
+    for layer in model.model.layers:
+        for module in layer.self_attn.modules():
+            if isinstance(module, torch.nn.Linear) and module is not layer.self_attn.o_proj:
+                module.weight.normal_(0.0, std)
+
+
+def untie_embeddings(model) -> None:
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
 class LoadCounter:
     """Counts tokens routed to each expert, per MoE layer, through forward hooks on the routers."""
 
@@ -112,7 +128,11 @@ def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file
     torch.manual_seed(train_cfg["seed"])
     torch.use_deterministic_algorithms(True)
     stream, _ = token_stream(corpus_path, tokenizer_file)
-    model = build_model(model_config)
+    # Tied input and output embeddings while training: copying from context then needs no per-token
+    # output map, which a small model learns far faster. The checkpoint is written untied, as
+    # DeepSeek-V3 checkpoints are.
+    model = build_model({**model_config, "tie_word_embeddings": True})
+    widen_attention_init(model, train_cfg["attention_init_std"])
     model.train()
     steps, seq_len, batch_size = train_cfg["steps"], train_cfg["seq_len"], train_cfg["batch_size"]
     qat_start = steps - round(steps * train_cfg["qat_fraction"])
@@ -148,6 +168,7 @@ def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file
             log.info(json.dumps(record))
     seconds = time.time() - started
     disable_qat(model)
+    untie_embeddings(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tokens = steps * batch_size * seq_len
