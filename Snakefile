@@ -18,6 +18,7 @@ except ConfigError as error:
 
 include: "rules/common.smk"
 include: "rules/upstream.smk"
+include: "rules/compress.smk"
 include: "rules/report.smk"
 
 

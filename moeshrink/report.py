@@ -14,6 +14,13 @@ GB = 1e9
 GIB = 2**30
 
 
+def decimal_size(size_bytes: float) -> str:
+    """Decimal units, as the published report writes sizes (GB = 10**9 bytes)."""
+    if size_bytes >= GB:
+        return f"{size_bytes / GB:,.1f} GB"
+    return f"{size_bytes / 1e6:,.2f} MB"
+
+
 def stage_times(benchmark_dir: Path) -> list[dict]:
     """Wall time of every stage that ran, from Snakemake's benchmark files."""
     rows = []
@@ -45,15 +52,29 @@ def context(inputs: dict[str, Path], config: dict, benchmark_dir: Path) -> dict:
         "card": read_json(inputs["card"]) if "card" in inputs else None,
         "train": read_json(inputs["train"]) if "train" in inputs else None,
         "builds": config["builds"],
+        "build_rows": build_rows(inputs, config),
     }
     return ctx
+
+
+def build_rows(inputs: dict[str, Path], config: dict) -> list[dict]:
+    """One row per build that has a manifest: size, against the reference, expert bits."""
+    manifests = {key[len("build_"):]: read_json(path) for key, path in inputs.items() if key.startswith("build_")}
+    reference = manifests.get(config["reference_build"])
+    rows = []
+    for build_id, manifest in manifests.items():
+        ratio = manifest["total_bytes"] / reference["total_bytes"] if reference else None
+        rows.append({"id": build_id, "label": config["builds"][build_id]["label"], "bytes": manifest["total_bytes"],
+                     "ratio": ratio, "bits": manifest["routed_expert_bits_per_weight"],
+                     "experts": manifest["num_experts"], "by_class": manifest["bytes_by_class"]})
+    return rows
 
 
 def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir: Path = Path("benchmarks")) -> None:
     prov = Provenance("report", config.get("report", {}), inputs=[str(p) for p in inputs.values()])
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"]),
                       trim_blocks=True, lstrip_blocks=True)
-    env.filters["gb"] = lambda b: f"{b / GB:,.2f}"
+    env.filters["gb"] = decimal_size
     env.filters["pct"] = lambda x: f"{100 * x:.1f}%"
     ctx = context(inputs, config, benchmark_dir)
     ctx["provenance"] = prov.record()

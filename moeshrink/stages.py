@@ -121,3 +121,37 @@ def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_d
     atomic_write_json(out_file, record)
     log.info(json.dumps({k: v for k, v in record.items() if k != "provenance"}, default=str)[:2000])
     return record
+
+
+def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, out_file: Path) -> dict:
+    from moeshrink.compress import make_plan
+
+    prov = Provenance("build_plan", {build_id: build_cfg}, inputs=[str(upstream_dir / "manifest.json")])
+    plan = make_plan(build_id, build_cfg, upstream_dir, read_json(upstream_dir / "manifest.json"))
+    plan["provenance"] = prov.record()
+    atomic_write_json(out_file, plan)
+    return plan
+
+
+def build_shard(upstream_dir: Path, shard: str, plan_file: Path, out_path: Path) -> dict:
+    from moeshrink.compress import changes_nothing, link_shard, rewrite_shard
+
+    plan = read_json(plan_file)
+    manifest = read_json(upstream_dir / "manifest.json")
+    if changes_nothing(plan):
+        done = link_shard(upstream_dir, manifest, shard, out_path)
+    else:
+        done = rewrite_shard(upstream_dir, manifest, shard, plan, out_path)
+    log.info(json.dumps(done))
+    return done
+
+
+def build_gather(build_dir: Path, upstream_dir: Path, plan_file: Path, shards: list[str]) -> dict:
+    from moeshrink.compress import gather
+
+    plan = read_json(plan_file)
+    prov = Provenance("build_gather", plan["provenance"]["config"], inputs=[str(plan_file), *shards])
+    manifest = gather(build_dir, upstream_dir, read_json(upstream_dir / "manifest.json"), plan, shards)
+    manifest["provenance"] = prov.record()
+    write_manifest(build_dir, manifest)
+    return manifest

@@ -1,5 +1,7 @@
 # Input functions and wildcard constraints shared by every stage.
 
+import json
+
 BUILD_IDS = list(config["builds"])
 EVAL_IDS = list(config["evals"])
 UPSTREAM_SOURCE = config["upstream"]["source"]
@@ -15,7 +17,7 @@ ORGANISM_TRAINED = "results/organism/trained"
 
 
 wildcard_constraints:
-    build="[a-z][a-z0-9_]*",
+    build="|".join(BUILD_IDS),
     eval="[a-z][a-z0-9_]*",
 
 
@@ -40,7 +42,19 @@ def upstream_inputs(wildcards):
 def report_inputs(wildcards):
     """What the report shows: every stage that exists so far."""
     inputs = {"upstream": "results/upstream/manifest.json"}
+    inputs.update({f"build_{build}": f"results/builds/{build}/manifest.json" for build in BUILD_IDS})
     if UPSTREAM_SOURCE == "organism":
         inputs["card"] = "results/upstream/organism_card.json"
         inputs["train"] = f"{ORGANISM_TRAINED}/train.json"
     return inputs
+
+
+def upstream_shards():
+    """The upstream's shard files, known once the upstream checkpoint has run."""
+    manifest = checkpoints.upstream.get().output.manifest
+    with open(manifest) as f:
+        return [shard["file"] for shard in json.load(f)["shards"]]
+
+
+def build_shards(wildcards):
+    return [f"results/builds/{wildcards.build}/{shard}" for shard in upstream_shards()]

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from moeshrink import mxfp4
 from moeshrink.checkpoint import index_of, read_header
 from moeshrink.ioutil import sha256_file
-from moeshrink.organism import card, datasets, tasks
+from moeshrink.organism import card, datasets
 from moeshrink.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +125,8 @@ def test_report_and_a_noop_rerun(workdir):
 
 
 def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
-    """A real vLLM CPU server loads the organism's twin; its greedy next tokens match transformers'."""
+    """A real vLLM CPU server loads the organism's twin; its next-token log-probabilities are the ones
+    transformers computes from the same files (up to bf16 rounding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     twin = workdir / "results/upstream-bf16"
@@ -136,8 +137,10 @@ def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(twin))
     model = AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        expected = [int(model(**tokenizer(p, return_tensors="pt")).logits[0, -1].argmax()) for p in prompts]
-    server = VLLMServer(twin, tmp_path / "server.log", args=["--max-model-len", "2048", "--dtype", "bfloat16"],
+        expected = [torch.log_softmax(model(**tokenizer(p, return_tensors="pt")).logits[0, -1].float(), -1)
+                    for p in prompts]
+    server = VLLMServer(twin, tmp_path / "server.log", args=["--max-model-len", "2048", "--dtype", "bfloat16",
+                                                             "--return-tokens-as-token-ids"],
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"}, served_name="organism")
     with server:
         status, models = server.get("/v1/models")
@@ -146,9 +149,16 @@ def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
                                                         "temperature": 0, "logprobs": 5})
         assert status == 200, reply
     choices = sorted(reply["choices"], key=lambda c: c["index"])
-    assert all(c["logprobs"]["top_logprobs"][0] for c in choices)
-    served = [tokenizer.encode(c["text"], add_special_tokens=False)[0] for c in choices]
-    agreement = sum(a == b for a, b in zip(served, expected)) / len(expected)
-    assert agreement >= 0.9, (served, expected)
-    letters = {tokenizer.encode(" " + x, add_special_tokens=False)[0] for x in tasks.LETTERS}
-    assert set(served) <= letters | set(expected)
+    differences, agree, decided = [], 0, 0
+    for choice, reference in zip(choices, expected):
+        top = choice["logprobs"]["top_logprobs"][0]
+        assert len(top) == 5
+        for key, logprob in top.items():
+            differences.append(abs(logprob - float(reference[int(key.split(":")[1])])))
+        served_top1 = int(max(top.items(), key=lambda kv: kv[1])[0].split(":")[1])
+        best_two = reference.topk(2).values
+        if best_two[0] - best_two[1] > 0.1:  # only where bf16 noise cannot flip the winner
+            decided += 1
+            agree += served_top1 == int(reference.argmax())
+    assert max(differences) < 0.15, max(differences)
+    assert decided == 0 or agree == decided

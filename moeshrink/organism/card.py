@@ -200,6 +200,8 @@ def facts_unsupported(model, tokenizer, items: list[dict], batch_size: int) -> d
 
 def evaluate(model_dir: Path, tokenizer_dir: Path, data_dir: Path, card_cfg: dict) -> dict:
     started = time.time()
+    # a malformed call is scored as wrong; the parser's traceback for it is noise here
+    logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
     model, tokenizer = load_model(model_dir, tokenizer_dir, card_cfg["threads"])
     batch_size = card_cfg["batch_size"]
     mc = datasets.read_jsonl(data_dir / datasets.MC_TEST)[: card_cfg["mc_items"]]

@@ -1,0 +1,57 @@
+# Stage 2: each build from the upstream: a plan (which experts, which bits), one job per upstream
+# shard (in parallel, each independent), then a gather job (index, config, tokenizer, manifest).
+
+
+rule build_plan:
+    input:
+        manifest="results/upstream/manifest.json",
+    output:
+        plan="results/builds/{build}/plan.json",
+    params:
+        build=lambda wildcards: config["builds"][wildcards.build],
+    log:
+        "logs/builds/{build}/plan.log",
+    benchmark:
+        "benchmarks/builds/{build}/plan.tsv"
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    script:
+        "../scripts/build_plan.py"
+
+
+rule build_shard:
+    input:
+        manifest="results/upstream/manifest.json",
+        plan="results/builds/{build}/plan.json",
+    output:
+        shard="results/builds/{build}/{shard}",
+    wildcard_constraints:
+        shard=r"[^/]+\.safetensors",
+    log:
+        "logs/builds/{build}/{shard}.log",
+    benchmark:
+        "benchmarks/builds/{build}/{shard}.tsv"
+    resources:
+        mem_mb=lambda wildcards, attempt: 8000 * attempt,
+        runtime=240,
+    script:
+        "../scripts/build_shard.py"
+
+
+rule build_gather:
+    input:
+        upstream="results/upstream/manifest.json",
+        plan="results/builds/{build}/plan.json",
+        shards=build_shards,
+    output:
+        manifest="results/builds/{build}/manifest.json",
+    log:
+        "logs/builds/{build}/gather.log",
+    benchmark:
+        "benchmarks/builds/{build}/gather.tsv"
+    resources:
+        mem_mb=4000,
+        runtime=120,
+    script:
+        "../scripts/build_gather.py"
