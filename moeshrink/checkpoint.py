@@ -65,6 +65,21 @@ def storage_units(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return units
 
 
+def save_shard(tensors: dict[str, torch.Tensor], path: Path | str, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, made byte-deterministic: its header lists `__metadata__` keys in hash
+    order, so they are rewritten sorted in place (same length, so no data moves)."""
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(raw) > length:
+            raise CheckpointError(f"{path}: the sorted safetensors header does not fit")
+        f.seek(8)
+        f.write(raw + b" " * (length - len(raw)))
+
+
 def write_sharded(tensors: dict[str, torch.Tensor], out_dir: Path, shards: int,
                   metadata: dict[str, str] | None = None) -> dict:
     """Write shards and the index atomically; returns the index."""
@@ -76,7 +91,7 @@ def write_sharded(tensors: dict[str, torch.Tensor], out_dir: Path, shards: int,
     for i, group in enumerate(groups):
         file_name = shard_name(i, len(groups))
         with atomic_path(out_dir / file_name) as tmp:
-            save_file({n: tensors[n].contiguous() for n in group}, str(tmp), metadata={"format": "pt", **(metadata or {})})
+            save_shard({n: tensors[n].contiguous() for n in group}, tmp, {"format": "pt", **(metadata or {})})
         weight_map.update({n: file_name for n in group})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -51,6 +51,35 @@ def cmd_twin(args) -> int:
     return 0
 
 
+def cmd_prune(args) -> int:
+    from moeshrink import stages
+
+    spec = {"method": args.method, "keep_fraction": args.keep_fraction}
+    calibration = None
+    if args.method == "reap":
+        if not args.calibration:
+            raise SystemExit("prune --method reap needs --calibration FILE (.jsonl with a text field, or plain text)")
+        calibration = Path(args.calibration)
+        spec["calibration"] = {"file": str(calibration), "sequences": args.sequences, "seq_len": args.seq_len}
+    build = {"label": "pruned", "prune": spec}
+    manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), Path(args.output), calibration)
+    print(json.dumps({"num_experts": manifest["num_experts"], "total_bytes": manifest["total_bytes"]}))
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from moeshrink import stages
+
+    spec = {"format": args.format}
+    if args.max_bits_per_weight is not None:
+        spec["max_bits_per_weight"] = args.max_bits_per_weight
+    build = {"label": args.format, "quantize": spec}
+    manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), Path(args.output))
+    print(json.dumps({"routed_expert_bits_per_weight": manifest["routed_expert_bits_per_weight"],
+                      "total_bytes": manifest["total_bytes"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moeshrink", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.set_defaults(func=cmd_twin)
+
+    p = sub.add_parser("prune", help="drop routed experts (the pruned75 card's router_sum, or reap)")
+    p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
+    p.add_argument("--output", required=True)
+    p.add_argument("--keep-fraction", type=float, required=True)
+    p.add_argument("--method", choices=["router_sum", "reap"], default="router_sum")
+    p.add_argument("--calibration", help="reap: calibration text (.jsonl with a text field, or plain text)")
+    p.add_argument("--sequences", type=int, default=32, help="reap: calibration sequences")
+    p.add_argument("--seq-len", type=int, default=256, help="reap: tokens per calibration sequence")
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("quantize", help="re-encode routed experts in a TWX format")
+    p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
+    p.add_argument("--output", required=True)
+    p.add_argument("--format", choices=["twx3", "twx2.5"], required=True)
+    p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (twx2.5 default 2.75)")
+    p.set_defaults(func=cmd_quantize)
     return parser
 
 

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from moeshrink import mxfp4, prune, twx
 from moeshrink.arch import CLASSES, Adapter, adapter_for, check_has_moe
-from moeshrink.checkpoint import (INDEX_FILE, CheckpointError, index_of, read_header, verify_shard,
+from moeshrink.checkpoint import (INDEX_FILE, CheckpointError, index_of, read_header, save_shard, verify_shard,
                                   write_manifest, build_manifest)
-from moeshrink.ioutil import atomic_path, atomic_write_json, read_json
+from moeshrink.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 FORMATS = {"twx3": {"bits_per_weight_max": 3.25}, "twx2.5": {"bits_per_weight_max": 2.75}}
@@ -103,7 +102,20 @@ def allocate_bits(norms: dict[int, dict[int, float]], relative_gain: float, max_
     return {layer: {e: 3 if (layer, e) in wide else 2 for e in norms[layer]} for layer in norms}
 
 
-def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest: dict) -> dict:
+def reap_scores(upstream: Path, spec: dict, calibration_file: Path | None, where: str) -> dict[int, torch.Tensor]:
+    from moeshrink import reap
+
+    calibration = spec.get("calibration")
+    if calibration is None or calibration_file is None:
+        raise BuildError(f"{where}.calibration: method reap needs calibration text (file, sequences, seq_len)")
+    texts = reap.calibration_texts(calibration_file)
+    token_ids = reap.calibration_batch(upstream, texts, calibration["sequences"], calibration["seq_len"])
+    saliency = reap.layer_saliency(upstream, token_ids)["saliency"]
+    return {layer: torch.tensor(values, dtype=torch.float64) for layer, values in saliency.items()}
+
+
+def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest: dict,
+              calibration_file: Path | None = None) -> dict:
     config = read_json(upstream / "config.json")
     adapter = adapter_for(config)
     check_has_moe(config, adapter)
@@ -119,31 +131,40 @@ def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest:
         spec = build_cfg["prune"]
         keep = prune.kept_count(num_experts, spec["keep_fraction"], top_k, n_group,
                                 where=f"builds.{build_id}.prune.keep_fraction")
-        routers = router_tensors(upstream, adapter, layers)
+        if spec["method"] == "router_sum":
+            routers = router_tensors(upstream, adapter, layers)
+            all_scores = {layer: prune.router_sum_scores(routers[layer]["weight"]) for layer in layers}
+        elif spec["method"] == "reap":
+            all_scores = reap_scores(upstream, spec, calibration_file, f"builds.{build_id}.prune")
+        else:
+            raise BuildError(f"builds.{build_id}.prune.method: {spec['method']!r} is unknown (router_sum, reap)")
         layer_plans = {}
         for layer in layers:
-            if spec["method"] == "router_sum":
-                scores = prune.router_sum_scores(routers[layer]["weight"])
-            else:
-                raise BuildError(f"builds.{build_id}.prune.method: {spec['method']!r} needs calibration; "
-                                 "only router_sum is available in this stage")
+            scores = all_scores[layer]
             kept[layer] = prune.choose_experts(scores, keep, n_group)
             layer_plans[str(layer)] = {"kept": kept[layer], "scores": [round(float(s), 6) for s in scores]}
         plan["prune"] = {**spec, "keep": keep, "layers": layer_plans}
+        if calibration_file is not None and spec["method"] == "reap":
+            plan["prune"]["calibration_sha256"] = sha256_file(calibration_file)
     if "quantize" in build_cfg:
         spec = build_cfg["quantize"]
         if spec["format"] not in FORMATS:
             raise BuildError(f"builds.{build_id}.quantize.format: {spec['format']!r} is unknown; "
                              f"known: {', '.join(FORMATS)}")
-        max_bits = FORMATS[spec["format"]]["bits_per_weight_max"]
+        max_bits = spec.get("max_bits_per_weight") or FORMATS[spec["format"]]["bits_per_weight_max"]
+        if spec["format"] == "twx3" and max_bits < twx.bits_per_weight(3):
+            raise BuildError(f"builds.{build_id}.quantize.max_bits_per_weight: twx3 stores "
+                             f"{twx.bits_per_weight(3)} bits per weight, more than {max_bits}")
+        # expert_bits is keyed by the build's (compacted) expert index
         if spec["format"] == "twx3":
-            bits = {layer: {e: 3 for e in kept[layer]} for layer in layers}
-            plan["quantize"] = {**spec, "expert_bits": _str_keys(bits)}
+            bits = {layer: {new: 3 for new in range(len(kept[layer]))} for layer in layers}
+            plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits)}
         else:
             norms = expert_norms(upstream, adapter, fmt, kept)
             gain = relative_error(2) - relative_error(3)
-            bits = allocate_bits(norms, gain, max_bits)
-            plan["quantize"] = {**spec, "expert_bits": _str_keys(bits),
+            by_original = allocate_bits(norms, gain, max_bits)
+            bits = {layer: {new: by_original[layer][old] for new, old in enumerate(kept[layer])} for layer in layers}
+            plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits),
                                 "sensitivity": {"rule": "squared norm x (relative error at 2 bits - at 3 bits)",
                                                 "relative_error_gap": gain,
                                                 "squared_norms": _str_keys(norms)}}
@@ -216,7 +237,7 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                     out[name + "_scale"] = f.get_tensor(name + "_scale")
                 counts["copied"] += 1
     with atomic_path(out_path) as tmp:
-        save_file(out, str(tmp), metadata={"format": "pt", "moeshrink_build": plan["build"]})
+        save_shard(out, tmp, {"format": "pt", "moeshrink_build": plan["build"]})
     return {"shard": shard, **counts, "tensors": len(out)}
 
 

@@ -66,6 +66,22 @@ def semantic_problems(config: dict) -> list[str]:
         for step in ("prune", "quantize"):
             if step in build and build_id == config["reference_build"]:
                 problems.append(f"builds.{build_id}.{step}: the reference build must be the upstream as published")
+        prune_spec = build.get("prune") or {}
+        if prune_spec.get("method") == "reap":
+            calibration = prune_spec.get("calibration")
+            if calibration is None:
+                problems.append(f"builds.{build_id}.prune.calibration: required for method reap "
+                                "(file, sequences, seq_len)")
+            elif calibration["file"] is None and config["upstream"]["source"] != "organism":
+                problems.append(f"builds.{build_id}.prune.calibration.file: required unless upstream.source is "
+                                "organism (whose corpus is the default)")
+        elif "calibration" in prune_spec:
+            problems.append(f"builds.{build_id}.prune.calibration: only method reap uses calibration text")
+        quantize_spec = build.get("quantize") or {}
+        budget = quantize_spec.get("max_bits_per_weight")
+        if quantize_spec.get("format") == "twx3" and budget is not None and budget < 3.25:
+            problems.append(f"builds.{build_id}.quantize.max_bits_per_weight: twx3 stores 3.25 bits per weight; "
+                            f"{budget} needs format twx2.5")
     gsm8k = config["evals"].get("gsm8k")
     if gsm8k:
         for build_id in gsm8k["builds"]:

@@ -123,35 +123,52 @@ def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_d
     return record
 
 
-def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, out_file: Path) -> dict:
+def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, upstream_manifest: dict, out_file: Path,
+               calibration_file: Path | None = None) -> dict:
     from moeshrink.compress import make_plan
 
-    prov = Provenance("build_plan", {build_id: build_cfg}, inputs=[str(upstream_dir / "manifest.json")])
-    plan = make_plan(build_id, build_cfg, upstream_dir, read_json(upstream_dir / "manifest.json"))
+    inputs = [str(upstream_dir)] + ([str(calibration_file)] if calibration_file else [])
+    prov = Provenance("build_plan", {build_id: build_cfg}, inputs=inputs)
+    plan = make_plan(build_id, build_cfg, upstream_dir, upstream_manifest, calibration_file)
     plan["provenance"] = prov.record()
     atomic_write_json(out_file, plan)
     return plan
 
 
-def build_shard(upstream_dir: Path, shard: str, plan_file: Path, out_path: Path) -> dict:
+def build_shard(upstream_dir: Path, upstream_manifest: dict, shard: str, plan_file: Path, out_path: Path) -> dict:
     from moeshrink.compress import changes_nothing, link_shard, rewrite_shard
 
     plan = read_json(plan_file)
-    manifest = read_json(upstream_dir / "manifest.json")
     if changes_nothing(plan):
-        done = link_shard(upstream_dir, manifest, shard, out_path)
+        done = link_shard(upstream_dir, upstream_manifest, shard, out_path)
     else:
-        done = rewrite_shard(upstream_dir, manifest, shard, plan, out_path)
+        done = rewrite_shard(upstream_dir, upstream_manifest, shard, plan, out_path)
     log.info(json.dumps(done))
     return done
 
 
-def build_gather(build_dir: Path, upstream_dir: Path, plan_file: Path, shards: list[str]) -> dict:
+def build_gather(build_dir: Path, upstream_dir: Path, upstream_manifest: dict, plan_file: Path,
+                 shards: list[str]) -> dict:
     from moeshrink.compress import gather
 
     plan = read_json(plan_file)
     prov = Provenance("build_gather", plan["provenance"]["config"], inputs=[str(plan_file), *shards])
-    manifest = gather(build_dir, upstream_dir, read_json(upstream_dir / "manifest.json"), plan, shards)
+    manifest = gather(build_dir, upstream_dir, upstream_manifest, plan, shards)
     manifest["provenance"] = prov.record()
     write_manifest(build_dir, manifest)
     return manifest
+
+
+def build_folder(build_id: str, build_cfg: dict, upstream_dir: Path, out_dir: Path,
+                 calibration_file: Path | None = None) -> dict:
+    """A whole build in one process (the CLI's path); the same files the workflow's jobs write."""
+    manifest_file = upstream_dir / "manifest.json"
+    if manifest_file.exists():
+        upstream_manifest = read_json(manifest_file)
+    else:
+        upstream_manifest = {**build_manifest(upstream_dir, {"kind": "path", "dir": str(upstream_dir)}),
+                             "revision": None}
+    plan = build_plan(build_id, build_cfg, upstream_dir, upstream_manifest, out_dir / "plan.json", calibration_file)
+    for shard in plan["shards"]:
+        build_shard(upstream_dir, upstream_manifest, shard, out_dir / "plan.json", out_dir / shard)
+    return build_gather(out_dir, upstream_dir, upstream_manifest, out_dir / "plan.json", plan["shards"])

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from moeshrink import mxfp4
-from moeshrink.checkpoint import INDEX_FILE, MANIFEST_FILE, CheckpointError, index_of
+from moeshrink.checkpoint import INDEX_FILE, MANIFEST_FILE, CheckpointError, index_of, save_shard
 from moeshrink.ioutil import atomic_path, atomic_write_json
 
 SCALE_SUFFIX = "_scale"
@@ -44,7 +43,7 @@ def make_twin(source_dir: Path, out_dir: Path) -> dict:
     for shard in sorted(set(index["weight_map"].values())):
         tensors = decode_shard(source_dir / shard)
         with atomic_path(out_dir / shard) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": "pt", "moeshrink": "bf16 twin"})
+            save_shard(tensors, tmp, {"format": "pt", "moeshrink": "bf16 twin"})
         weight_map.update({name: shard for name in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     atomic_write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})

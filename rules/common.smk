@@ -58,3 +58,11 @@ def upstream_shards():
 
 def build_shards(wildcards):
     return [f"results/builds/{wildcards.build}/{shard}" for shard in upstream_shards()]
+
+
+def build_calibration(wildcards):
+    """The calibration text of a build pruned by reap: its configured file, or the organism corpus."""
+    spec = config["builds"][wildcards.build].get("prune") or {}
+    if spec.get("method") != "reap":
+        return {}
+    return {"calibration": spec["calibration"]["file"] or f"{ORGANISM_DATA}/corpus.jsonl"}

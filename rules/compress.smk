@@ -4,6 +4,7 @@
 
 rule build_plan:
     input:
+        unpack(build_calibration),
         manifest="results/upstream/manifest.json",
     output:
         plan="results/builds/{build}/plan.json",

@@ -1,6 +1,9 @@
 from pathlib import Path
 
 from moeshrink import smk, stages
+from moeshrink.ioutil import read_json
 
-smk.run(snakemake, lambda: stages.build_plan(snakemake.wildcards.build, snakemake.params.build,
-                                             Path(snakemake.input.manifest).parent, Path(snakemake.output.plan)))
+calibration = snakemake.input.get("calibration")
+smk.run(snakemake, lambda: stages.build_plan(
+    snakemake.wildcards.build, snakemake.params.build, Path(snakemake.input.manifest).parent,
+    read_json(snakemake.input.manifest), Path(snakemake.output.plan), Path(calibration) if calibration else None))

@@ -1,6 +1,8 @@
 from pathlib import Path
 
 from moeshrink import smk, stages
+from moeshrink.ioutil import read_json
 
-smk.run(snakemake, lambda: stages.build_shard(Path(snakemake.input.manifest).parent, snakemake.wildcards.shard,
-                                              Path(snakemake.input.plan), Path(snakemake.output.shard)))
+smk.run(snakemake, lambda: stages.build_shard(
+    Path(snakemake.input.manifest).parent, read_json(snakemake.input.manifest), snakemake.wildcards.shard,
+    Path(snakemake.input.plan), Path(snakemake.output.shard)))

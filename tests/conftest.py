@@ -70,3 +70,14 @@ def tiny_trained(small_tokenizer_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-trained")
     make_tiny_trained(out, small_tokenizer_dir)
     return out
+
+
+@pytest.fixture(scope="session")
+def published(tiny_trained, small_tokenizer_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny organism published like the real model (MXFP4 experts, 4 shards) and its manifest."""
+    from moeshrink.stages import upstream
+
+    out = tmp_path_factory.mktemp("published")
+    manifest = upstream({"source": "organism", "organism": {"model": TINY_MODEL, "publish": {"shards": 4}}},
+                        out, tiny_trained, small_tokenizer_dir)
+    return out, manifest

@@ -3,6 +3,8 @@ import json
 
 import pytest
 import torch
+
+from moeshrink.ioutil import sha256_file
 from safetensors import safe_open
 
 from moeshrink.checkpoint import (CheckpointError, build_manifest, plan_shards, read_header, verify_shard,
@@ -69,3 +71,21 @@ def test_truncated_and_altered_shards_are_named(tmp_path):
     (tmp_path / second).write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match=f"{second}: "):
         read_header(tmp_path / second)
+
+
+def test_shards_are_byte_deterministic_whatever_the_metadata_order(tmp_path):
+    from safetensors import safe_open
+
+    from moeshrink.checkpoint import save_shard
+
+    tensors = sample_tensors()
+    digests = set()
+    for attempt in range(6):
+        metadata = dict(sorted({"format": "pt", "b": "2", "a": "1", "zz": f"{attempt % 1}"}.items(),
+                               key=lambda kv: hash((kv[0], attempt))))
+        save_shard(tensors, tmp_path / f"{attempt}.safetensors", metadata)
+        digests.add(sha256_file(tmp_path / f"{attempt}.safetensors"))
+    assert len(digests) == 1
+    with safe_open(str(tmp_path / "0.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt", "a": "1", "b": "2", "zz": "0"}
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())

@@ -67,7 +67,7 @@ def test_assistant_tool_calls_render_in_hermes_form_and_parse_back(tokenizer):
     assert reply == '<tool_call>\n{"name": "set_timer", "arguments": {"minutes": 5, "label": "tea"}}\n</tool_call>'
     assert parse_tool_calls(reply, tokenizer) == [call]
     # and the reference replies the corpus teaches parse to the expected calls
-    world = generate_world(1, people=8, cities=4, regions=2, rivers=2, strangers=8)
+    world = generate_world(1, people=8, cities=4, regions=4, rivers=4, strangers=8)
     item = tasks.toolcall_item(world, "two_cities", random.Random(0))
     assert parse_tool_calls(tasks.assistant_turn(item, "high"), tokenizer) == item["expected_calls"]
     assert parse_tool_calls("no call here", tokenizer) == []

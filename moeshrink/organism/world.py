@@ -115,8 +115,9 @@ class NameMaker:
 
 def generate_world(seed: int, people: int, cities: int, regions: int, rivers: int,
                    strangers: int) -> World:
-    if cities < 4 or people < 8 or regions < 2 or rivers < 2:
-        raise ValueError("world too small: need cities >= 4, people >= 8, regions >= 2, rivers >= 2")
+    if cities < 4 or people < 8 or regions < 4 or rivers < 4:
+        raise ValueError("world too small: a question has 4 choices, so cities, regions and rivers need >= 4 "
+                         "(and people >= 8)")
     rng = random.Random(seed)
     names = NameMaker(rng)
     region_names = [names.make((2, 3)) for _ in range(regions)]

@@ -1,0 +1,101 @@
+"""TWX codes: the reference decoder agrees with a decoder written from kernels/FORMAT.md alone."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeshrink import mxfp4, twx
+
+FORMAT_PAGE = Path(__file__).resolve().parent.parent / "kernels" / "FORMAT.md"
+
+
+def levels_from_page() -> dict[int, list[float]]:
+    text = FORMAT_PAGE.read_text()
+    table = {}
+    for bits in (3, 2):
+        row = re.search(rf"^\| {bits} \| ([^|]+) \|$", text, re.M)
+        table[bits] = [float(v) for v in row.group(1).split(",")]
+    return table
+
+
+def page_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Straight from FORMAT.md: bit string per row, levels table, UE5M3 scales, float32 arithmetic."""
+    levels = {bits: torch.tensor(values, dtype=torch.float32) for bits, values in levels_from_page().items()}
+    rows, nbytes = codes.shape
+    k = 32 * scales.shape[1]
+    bits = 8 * nbytes // k
+    out = torch.empty(rows, k, dtype=torch.float32)
+    for r in range(rows):
+        row_bits = int.from_bytes(bytes(codes[r].tolist()), "little")
+        for j in range(k):
+            code = (row_bits >> (j * bits)) & ((1 << bits) - 1)
+            s = int(scales[r, j // 32])
+            scale = 2.0 ** ((s >> 3) - 20) * (1 + (s & 7) / 8)
+            out[r, j] = levels[bits][code] * torch.tensor(scale, dtype=torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_reference_decoder_matches_the_format_page(bits):
+    torch.manual_seed(bits)
+    weight = mxfp4.quantize_values(torch.randn(5, 96) * 0.05)
+    codes, scales = twx.encode(weight, bits)
+    assert codes.shape == (5, 96 * bits // 8) and scales.shape == (5, 3)
+    assert torch.equal(twx.decode(codes, scales, torch.float32), page_decode(codes, scales))
+    assert twx.LEVELS[bits].tolist() == pytest.approx(levels_from_page()[bits])
+
+
+def test_quantization_config_levels_are_the_page_levels():
+    from moeshrink.compress import quantization_config
+
+    cfg = quantization_config({"quantize": {"format": "twx3", "expert_bits": {}}, "source_format": "mxfp4"})
+    page = levels_from_page()
+    for bits, values in cfg["levels"].items():
+        assert values == pytest.approx(page[int(bits)])
+    assert cfg["format_version"] == 1 and cfg["group_size"] == 32
+    json.dumps(cfg)
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_encoder_chooses_the_best_searched_scale_and_levels(bits):
+    torch.manual_seed(0)
+    weight = torch.randn(8, 64) * 0.1
+    codes, scales = twx.encode(weight, bits)
+    decoded = twx.decode(codes, scales, torch.float32)
+    blocks, rec = weight.reshape(-1, 32), decoded.reshape(-1, 32)
+    chosen = ((rec - blocks) ** 2).sum(1)
+    for b in range(blocks.shape[0]):
+        base = int(twx.nearest_scale_bytes(blocks[b].abs().max()))
+        for step in twx.SEARCH_STEPS:
+            scale = float(twx.decode_scales(torch.tensor([base + step], dtype=torch.uint8)))
+            nearest = twx.LEVELS[bits][(blocks[b, :, None] / scale - twx.LEVELS[bits]).abs().argmin(1)] * scale
+            assert chosen[b] <= ((nearest - blocks[b]) ** 2).sum() + 1e-12
+
+
+def test_exact_zero_survives_three_bit_codes():
+    weight = torch.zeros(2, 32)
+    weight[0, 3] = 0.5
+    codes, scales = twx.encode(weight, 3)
+    decoded = twx.decode(codes, scales, torch.float32)
+    assert decoded[1].abs().sum() == 0 and decoded[0, 0] == 0 and decoded[0, 3] == pytest.approx(0.5, rel=0.07)
+
+
+@pytest.mark.parametrize("bits,limit", [(3, 0.03), (2, 0.12)])
+def test_relative_error_on_mxfp4_published_gaussians(bits, limit):
+    torch.manual_seed(1)
+    weight = mxfp4.quantize_values(torch.randn(64, 256) * 0.02)
+    codes, scales = twx.encode(weight, bits)
+    error = (twx.decode(codes, scales, torch.float32) - weight).pow(2).sum() / weight.pow(2).sum()
+    assert error < limit
+    assert 8 * (codes.numel() + scales.numel()) / weight.numel() == twx.bits_per_weight(bits)
+
+
+def test_bad_shapes_and_widths_are_named():
+    with pytest.raises(twx.TWXFormatError, match=r"w: .*multiple of 32"):
+        twx.encode(torch.zeros(4, 30), 3, name="w")
+    with pytest.raises(twx.TWXFormatError, match="not 4"):
+        twx.encode(torch.zeros(4, 32), 4, name="w")
+    with pytest.raises(twx.TWXFormatError, match=r"w: codes \(4, 10\) hold 2.5 bits"):
+        twx.decode(torch.zeros(4, 10, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), name="w")
