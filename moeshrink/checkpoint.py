@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from moeshrink.ioutil import atomic_path, atomic_write_json, sha256_file
+from moeshrink.shardio import save_shard
 
+VERIFIED_DIR = ".verified"
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "manifest.json"
 
@@ -63,21 +64,6 @@ def storage_units(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
         base = name[: -len("_scale")] if name.endswith("_scale") else name
         units.setdefault(base if base in tensors else name, []).append(name)
     return units
-
-
-def save_shard(tensors: dict[str, torch.Tensor], path: Path | str, metadata: dict[str, str]) -> None:
-    """safetensors' save_file, made byte-deterministic: its header lists `__metadata__` keys in hash
-    order, so they are rewritten sorted in place (same length, so no data moves)."""
-    save_file(tensors, str(path), metadata=metadata)
-    with open(path, "r+b") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
-        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(raw) > length:
-            raise CheckpointError(f"{path}: the sorted safetensors header does not fit")
-        f.seek(8)
-        f.write(raw + b" " * (length - len(raw)))
 
 
 def write_sharded(tensors: dict[str, torch.Tensor], out_dir: Path, shards: int,
@@ -148,12 +134,14 @@ def build_manifest(folder: Path, source: dict, workers: int = 2, known_sha256: d
 
     def describe(name: str) -> dict:
         path = folder / name
-        return {"file": name, "bytes": path.stat().st_size, "sha256": known.get(name) or sha256_file(path)}
+        digest = known.get(name) or remembered_digest(folder, name) or sha256_file(path)
+        return {"file": name, "bytes": path.stat().st_size, "sha256": digest}
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         described = dict(zip(everything, pool.map(describe, everything)))
     shards = []
     for name in shard_files:
+        remember_verified(folder, name, described[name]["sha256"])
         header = read_header(folder / name)
         shards.append({**described[name], "tensors": sum(1 for k in header if k != "__metadata__")})
     return {
@@ -170,8 +158,37 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     atomic_write_json(folder / MANIFEST_FILE, manifest)
 
 
+def _verified_marker(folder: Path, name: str) -> Path:
+    return folder / VERIFIED_DIR / f"{name}.json"
+
+
+def _file_identity(path: Path) -> dict:
+    stat = path.stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino, "device": stat.st_dev}
+
+
+def remember_verified(folder: Path, name: str, sha256: str) -> None:
+    """Record that the file as it is now (size, mtime, inode) has this digest, like git's index: a
+    later check re-hashes only a file that was touched since. A read-only folder keeps no record."""
+    try:
+        atomic_write_json(_verified_marker(folder, name), {"sha256": sha256, **_file_identity(folder / name)})
+    except OSError:
+        pass
+
+
+def remembered_digest(folder: Path, name: str) -> str | None:
+    """The digest recorded for this file, if it is untouched since (see remember_verified)."""
+    marker = _verified_marker(folder, name)
+    try:
+        seen = json.loads(marker.read_text())
+        return seen["sha256"] if seen == {"sha256": seen["sha256"], **_file_identity(folder / name)} else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def verify_shard(folder: Path, manifest: dict, name: str) -> None:
-    """Raise naming the shard if its size or sha256 differs from the manifest."""
+    """Raise naming the shard if its size or sha256 differs from the manifest. The digest is
+    recomputed unless the file is untouched since it was last hashed (see remember_verified)."""
     entry = next((s for s in manifest["shards"] if s["file"] == name), None)
     if entry is None:
         raise CheckpointError(f"{folder / name}: not listed in the manifest")
@@ -179,6 +196,9 @@ def verify_shard(folder: Path, manifest: dict, name: str) -> None:
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes, manifest says {entry['bytes']} (truncated or replaced)")
+    if remembered_digest(folder, name) == entry["sha256"]:
+        return
     digest = sha256_file(path)
     if digest != entry["sha256"]:
         raise CheckpointError(f"{path}: sha256 {digest} does not match the manifest's {entry['sha256']}")
+    remember_verified(folder, name, digest)

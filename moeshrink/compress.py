@@ -18,9 +18,10 @@ from safetensors import safe_open
 
 from moeshrink import mxfp4, prune, twx
 from moeshrink.arch import CLASSES, Adapter, adapter_for, check_has_moe
-from moeshrink.checkpoint import (INDEX_FILE, CheckpointError, index_of, read_header, save_shard, verify_shard,
+from moeshrink.checkpoint import (INDEX_FILE, CheckpointError, index_of, read_header, remember_verified, verify_shard,
                                   write_manifest, build_manifest)
 from moeshrink.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
+from moeshrink.shardio import StoredTensor, data_start, save_shard, stored_tensor
 
 log = logging.getLogger(__name__)
 FORMATS = {"twx3": {"bits_per_weight_max": 3.25}, "twx2.5": {"bits_per_weight_max": 2.75}}
@@ -189,7 +190,6 @@ def _str_keys(nested: dict) -> dict:
 def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dict, out_path: Path) -> dict:
     """Rewrite one upstream shard for the build; returns what was done to it."""
     verify_shard(upstream, upstream_manifest, shard)
-    read_header(upstream / shard)
     config = read_json(upstream / "config.json")
     adapter = adapter_for(config)
     fmt = plan["source_format"]
@@ -197,9 +197,15 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
     renumber = {layer: {old: new for new, old in enumerate(experts)} for layer, experts in kept.items()}
     bits = {int(layer): {int(e): b for e, b in experts.items()}
             for layer, experts in ((plan["quantize"] or {}).get("expert_bits") or {}).items()}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | StoredTensor] = {}
     counts = {"copied": 0, "dropped": 0, "sliced": 0, "quantized": 0}
-    with safe_open(str(upstream / shard), "pt") as f:
+    source = upstream / shard
+    header, start = read_header(source), data_start(source)
+
+    def unchanged(name: str) -> StoredTensor:
+        return stored_tensor(source, header, name, start)
+
+    with safe_open(str(source), "pt") as f:
         names = set(f.keys())
         for name in sorted(names):
             if is_weight_companion(name, names):
@@ -219,9 +225,9 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                     out[f"{base}.{TWX_CODES}"], out[f"{base}.{TWX_SCALES}"] = codes, scales
                     counts["quantized"] += 1
                 else:
-                    out[target] = f.get_tensor(name)
+                    out[target] = unchanged(name)
                     if name + "_scale" in names:
-                        out[target + "_scale"] = f.get_tensor(name + "_scale")
+                        out[target + "_scale"] = unchanged(name + "_scale")
                     counts["copied"] += 1
             elif router_layer is not None and router_layer in kept:
                 out[name] = f.get_tensor(name)[torch.tensor(kept[router_layer])].contiguous()
@@ -232,12 +238,13 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                 out[name] = f.get_tensor(name)[torch.tensor(kept[adapter.fused_layer(name)])].contiguous()
                 counts["sliced"] += 1
             else:
-                out[name] = f.get_tensor(name)
+                out[name] = unchanged(name)
                 if name + "_scale" in names:
-                    out[name + "_scale"] = f.get_tensor(name + "_scale")
+                    out[name + "_scale"] = unchanged(name + "_scale")
                 counts["copied"] += 1
     with atomic_path(out_path) as tmp:
-        save_shard(out, tmp, {"format": "pt", "moeshrink_build": plan["build"]})
+        digest = save_shard(out, tmp, {"format": "pt", "moeshrink_build": plan["build"]})
+    remember_verified(out_path.parent, out_path.name, digest)
     return {"shard": shard, **counts, "tensors": len(out)}
 
 

@@ -28,8 +28,8 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
                 shutil.rmtree(path)
             os.replace(tmp, path)
         else:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            # no fsync: the rename makes the file appear whole or not at all to any process that
+            # outlives this one (a killed job, a rerun); power-loss durability is the filesystem's
             os.replace(tmp, path)
     except BaseException:
         if tmp.is_dir():

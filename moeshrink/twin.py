@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from moeshrink import mxfp4
-from moeshrink.checkpoint import INDEX_FILE, MANIFEST_FILE, CheckpointError, index_of, save_shard
+from moeshrink.checkpoint import INDEX_FILE, MANIFEST_FILE, CheckpointError, index_of
+from moeshrink.shardio import save_shard
 from moeshrink.ioutil import atomic_path, atomic_write_json
 
 SCALE_SUFFIX = "_scale"

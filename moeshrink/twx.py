@@ -80,33 +80,31 @@ def check_shape(shape: tuple, name: str) -> None:
 
 
 @torch.no_grad()
-def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: int = 4096
+def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: int = 256
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """float [rows, K] -> (codes uint8 [rows, K*bits/8], scales uint8 [rows, K/32])."""
     if bits not in LEVELS:
         raise TWXFormatError(f"{name}: TWX has {sorted(LEVELS)}-bit codes, not {bits}")
     check_shape(tuple(weight.shape), name)
     levels = LEVELS[bits]
+    midpoints = (levels[1:] + levels[:-1]) / 2
     rows, k = weight.shape
     all_codes, all_scales = [], []
     for start in range(0, rows, chunk_rows):
         blocks = weight[start:start + chunk_rows].to(torch.float32).reshape(-1, GROUP)
-        amax = blocks.abs().amax(dim=1)
-        base = nearest_scale_bytes(amax)
-        best_err = torch.full_like(amax, float("inf"))
-        best_codes = torch.zeros(blocks.shape, dtype=torch.uint8)
-        best_bytes = base.clone()
+        base = nearest_scale_bytes(blocks.abs().amax(dim=1))
+        best_err = torch.full((blocks.shape[0],), float("inf"))
+        best_bytes = base
         for step in SEARCH_STEPS:
             candidate = (base + step).clamp(0, 255)
             scale = decode_scales(candidate).unsqueeze(1)
-            codes = _assign(blocks / scale, levels)
-            err = ((levels[codes] * scale - blocks) ** 2).sum(dim=1)
+            err = (levels[torch.bucketize(blocks / scale, midpoints)] * scale - blocks).square_().sum(dim=1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_codes[better] = codes[better].to(torch.uint8)
             best_bytes = torch.where(better, candidate, best_bytes)
+        codes = torch.bucketize(blocks / decode_scales(best_bytes).unsqueeze(1), midpoints).to(torch.uint8)
         chunk = blocks.shape[0] * GROUP // k
-        all_codes.append(pack_codes(best_codes.reshape(chunk, k), bits))
+        all_codes.append(pack_codes(codes.reshape(chunk, k), bits))
         all_scales.append(best_bytes.to(torch.uint8).reshape(chunk, k // GROUP))
     return torch.cat(all_codes), torch.cat(all_scales)
 

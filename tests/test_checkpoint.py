@@ -76,7 +76,7 @@ def test_truncated_and_altered_shards_are_named(tmp_path):
 def test_shards_are_byte_deterministic_whatever_the_metadata_order(tmp_path):
     from safetensors import safe_open
 
-    from moeshrink.checkpoint import save_shard
+    from moeshrink.shardio import save_shard
 
     tensors = sample_tensors()
     digests = set()
@@ -89,3 +89,42 @@ def test_shards_are_byte_deterministic_whatever_the_metadata_order(tmp_path):
     with safe_open(str(tmp_path / "0.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt", "a": "1", "b": "2", "zz": "0"}
         assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+
+
+def test_an_untouched_shard_is_not_hashed_twice_but_a_touched_one_is(tmp_path, monkeypatch):
+    import os
+
+    from moeshrink import checkpoint
+
+    index = write_sharded(sample_tensors(), tmp_path, 2)
+    manifest = build_manifest(tmp_path, {"kind": "test"})
+    first = sorted(set(index["weight_map"].values()))[0]
+    hashed = []
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
+    verify_shard(tmp_path, manifest, first)
+    assert hashed == []
+    data = bytearray((tmp_path / first).read_bytes())
+    data[-1] ^= 1
+    stat = (tmp_path / first).stat()
+    (tmp_path / first).write_bytes(bytes(data))
+    os.utime(tmp_path / first, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    with pytest.raises(CheckpointError, match="sha256 .* does not match"):
+        verify_shard(tmp_path, manifest, first)
+    assert len(hashed) == 1
+
+
+def test_stored_tensors_are_copied_unchanged_and_the_digest_is_the_files(tmp_path):
+    from moeshrink.shardio import save_shard, stored_tensor
+
+    tensors = {**sample_tensors(), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+               "big": torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)}
+    first = tmp_path / "first.safetensors"
+    assert save_shard(tensors, first, {"format": "pt"}) == sha256_file(first)
+    header = read_header(first)
+    mixed = {name: (stored_tensor(first, header, name) if i % 2 else tensor)
+             for i, (name, tensor) in enumerate(sorted(tensors.items()))}
+    second = tmp_path / "second.safetensors"
+    assert save_shard(mixed, second, {"format": "pt"}) == sha256_file(first)
+    with safe_open(str(second), "pt") as f:
+        for name, tensor in tensors.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
