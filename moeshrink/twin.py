@@ -1,5 +1,6 @@
-"""The bf16 twin of an MXFP4 checkpoint: every packed tensor decoded exactly (E2M1 x E8M0 values are
-representable in bf16), shard by shard, so vLLM can serve the same numbers unquantized."""
+"""The bf16 twin of a packed checkpoint, shard by shard, so vLLM can serve the same numbers
+unquantized: MXFP4 decodes exactly (E2M1 x E8M0 values are representable in bf16); TWX decodes
+with the reference decoder, rounded to bf16."""
 from __future__ import annotations
 
 import json
@@ -9,12 +10,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink import mxfp4
+from moeshrink import mxfp4, twx
 from moeshrink.checkpoint import INDEX_FILE, MANIFEST_FILE, CheckpointError, index_of
 from moeshrink.shardio import save_shard
 from moeshrink.ioutil import atomic_path, atomic_write_json
 
 SCALE_SUFFIX = "_scale"
+
+
+TWX_CODES, TWX_SCALES = ".twx_codes", ".twx_scales"
+DECODABLE = ("mxfp4", "twx")
 
 
 def decode_shard(path: Path) -> dict[str, torch.Tensor]:
@@ -23,6 +28,13 @@ def decode_shard(path: Path) -> dict[str, torch.Tensor]:
         names = set(f.keys())
         for name in sorted(names):
             if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in names:
+                continue
+            if name.endswith(TWX_SCALES) and name[: -len(TWX_SCALES)] + TWX_CODES in names:
+                continue
+            if name.endswith(TWX_CODES):
+                base = name[: -len(TWX_CODES)]
+                out[base + ".weight"] = twx.decode(f.get_tensor(name), f.get_tensor(base + TWX_SCALES), torch.bfloat16,
+                                                   name=f"{path.name}:{name}")
                 continue
             tensor = f.get_tensor(name)
             if name + SCALE_SUFFIX in names:
@@ -34,9 +46,9 @@ def decode_shard(path: Path) -> dict[str, torch.Tensor]:
 def make_twin(source_dir: Path, out_dir: Path) -> dict:
     config = json.loads((source_dir / "config.json").read_text())
     method = config.get("quantization_config", {}).get("quant_method")
-    if method != "mxfp4":
+    if method not in DECODABLE:
         raise CheckpointError(f"{source_dir}/config.json: quantization_config.quant_method is {method!r}; "
-                              "a bf16 twin is made from mxfp4 checkpoints only")
+                              f"a bf16 twin is made from {' or '.join(DECODABLE)} checkpoints only")
     out_dir.mkdir(parents=True, exist_ok=True)
     index = index_of(source_dir)
     weight_map: dict[str, str] = {}

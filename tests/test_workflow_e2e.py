@@ -162,3 +162,30 @@ def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
             agree += served_top1 == int(reference.argmax())
     assert max(differences) < 0.15, max(differences)
     assert decided == 0 or agree == decided
+
+
+@pytest.mark.parametrize("build", ["original", "twx2_5"])
+def test_packed_build_served_by_the_plugin_agrees_with_its_twin(workdir, tmp_path, build):
+    """The plugin serves the build's packed experts (MXFP4 under DeepSeek-V3 routing; TWX at two
+    widths); vLLM serving the decoded bf16 twin plainly gives the same next tokens. 1,000 positions
+    here; bench/plugin_agreement.py runs the 5,000-position check."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import plugin_agreement
+
+    from moeshrink import agreement
+    from moeshrink.twin import make_twin
+
+    packed_dir = workdir / f"results/builds/{build}"
+    twin_dir = workdir / "results/upstream-bf16" if build == "original" else tmp_path / "twin"
+    if build != "original":
+        make_twin(packed_dir, twin_dir)
+    vocab = json.loads((workdir / "results/upstream/config.json").read_text())["vocab_size"]
+    prompts = plugin_agreement.corpus_prompts(workdir, 2, 500)
+    twin, _ = plugin_agreement.serve(twin_dir, tmp_path / "twin.log", prompts, vocab)
+    packed, weights = plugin_agreement.serve(packed_dir, tmp_path / "packed.log", prompts, vocab)
+    assert "quantization=" + ("moeshrink_mxfp4" if build == "original" else "twx") in (tmp_path / "packed.log").read_text()
+    figures = agreement.compare(twin, packed)
+    assert figures["positions"] == 998
+    assert figures["greedy_agreement"] >= 0.995 and figures["mean_kl"] <= 1e-3, figures
+    manifest = json.loads((packed_dir / "manifest.json").read_text())
+    assert weights["routed_expert_bytes"] == manifest["bytes_by_class"]["routed_experts"]

@@ -1,0 +1,337 @@
+"""vLLM plugin: serves moeshrink's packed expert formats.
+
+- `twx`: TWX3 / TWX2.5 builds (config.json `quantization_config.quant_method: twx`).
+- `moeshrink_mxfp4`: per-expert MXFP4 checkpoints of DeepSeek-V3-style models on the CPU, whose
+  grouped sigmoid routing vLLM's own CPU MXFP4 backend refuses; it claims such checkpoints through
+  `override_quantization_method`, so they serve with no extra flag.
+
+Routed experts stay packed in memory and are decoded one expert at a time inside a custom op
+(torch.compile sees one opaque call); routing, the routed scaling factor and shared experts stay
+vLLM's. Everything else in the model is unquantized. Registered through the
+`vllm.general_plugins` entry point; registration is idempotent (vLLM calls it in every process).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+TWX_FORMAT_VERSIONS = (1,)
+LOAD_FORMAT = "moeshrink"
+WEIGHTS_LINE = "moeshrink weights:"  # followed by a JSON object; what the serve stage reads
+_registered = False
+_ops_library = None
+
+
+class PackedExpertsError(ValueError):
+    pass
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_quantization_config("twx")(_twx_config_class())
+    register_quantization_config("moeshrink_mxfp4")(_mxfp4_config_class())
+    register_model_loader(LOAD_FORMAT)(_loader_class())
+    _register_ops()
+    _registered = True
+
+
+# ------------------------------------------------------------------------------------ custom ops
+def _twx_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
+            w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
+            layout: torch.Tensor) -> torch.Tensor:
+    from moeshrink_kernels.experts import twx_routed_experts
+
+    return twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layout)
+
+
+def _mxfp4_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_packed: torch.Tensor,
+              w13_scales: torch.Tensor, w2_packed: torch.Tensor, w2_scales: torch.Tensor) -> torch.Tensor:
+    from moeshrink_kernels.experts import mxfp4_routed_experts
+
+    return mxfp4_routed_experts(x, topk_weights, topk_ids, w13_packed, w13_scales, w2_packed, w2_scales)
+
+
+def _fake(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _twx_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
+              w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
+              layout: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _mxfp4_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_packed: torch.Tensor,
+                w13_scales: torch.Tensor, w2_packed: torch.Tensor, w2_scales: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _register_ops() -> None:
+    global _ops_library
+    if hasattr(torch.ops, "moeshrink") and hasattr(torch.ops.moeshrink, "twx_experts"):
+        return
+    from torch.library import Library
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    _ops_library = Library("moeshrink", "FRAGMENT")
+    direct_register_custom_op("twx_experts", _twx_op, mutates_args=[], fake_impl=_twx_fake, target_lib=_ops_library)
+    direct_register_custom_op("mxfp4_experts", _mxfp4_op, mutates_args=[], fake_impl=_mxfp4_fake,
+                              target_lib=_ops_library)
+
+
+# ---------------------------------------------------------------------------------- MoE methods
+def _layer_index(prefix: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", prefix + ".")
+    if not match:
+        raise PackedExpertsError(f"cannot tell the layer of MoE module {prefix!r}")
+    return int(match[1])
+
+
+def _check_single_partition(moe, what: str) -> None:
+    parallel = getattr(moe, "moe_parallel_config", None)
+    for attribute in ("tp_size", "ep_size", "dp_size"):
+        if parallel is not None and getattr(parallel, attribute, 1) > 1:
+            raise PackedExpertsError(f"{what}: serving with {attribute} > 1 is not supported yet (TP/EP/DP = 1)")
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, weight_name: str) -> None:
+    if tuple(target.shape) != tuple(source.shape) or source.dtype != target.dtype:
+        raise PackedExpertsError(f"{weight_name}: expected {target.dtype} {tuple(target.shape)}, "
+                                 f"the checkpoint has {source.dtype} {tuple(source.shape)}")
+    target.copy_(source)
+
+
+def _methods():
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.utils import set_weight_attrs
+
+    class PackedExpertsMethod(FusedMoEMethodBase):
+        """Routed experts held packed: subclasses say which parameters a layer has (`parameters`),
+        where one checkpoint tensor goes in them (`target`), and which custom op computes (`run`)."""
+
+        def __init__(self, moe, layer_name: str):
+            super().__init__(moe)
+            self.layer_name = layer_name
+
+        def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                           params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+            _check_single_partition(self.moe, self.layer_name)
+            self.hidden, self.intermediate = hidden_size, intermediate_size_per_partition
+            for name, data in self.parameters(layer, num_experts).items():
+                param = torch.nn.Parameter(data, requires_grad=False)
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, {"weight_loader": self._loader(name)})
+
+        def _loader(self, param_name: str):
+            def load(param, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int,
+                     return_success: bool = False):
+                rows = self.intermediate if param_name.startswith("w13") else self.hidden
+                row_start = self.intermediate if shard_id == "w3" else 0
+                target = self.target(param.data, param_name, expert_id)[row_start:row_start + rows]
+                _copy_checked(target, loaded_weight, weight_name)
+                return True if return_success else None
+
+            return load
+
+        def get_fused_moe_quant_config(self, layer):
+            return None
+
+        def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+            return self.run(layer, x, topk_weights, topk_ids)
+
+    class TWXExpertsMethod(PackedExpertsMethod):
+        """Routed experts in TWX: flat per-layer code buffers (each expert at its own width) and
+        [E, rows, K/32] scale tensors."""
+
+        def __init__(self, moe, expert_bits: list[int], layer_name: str):
+            super().__init__(moe, layer_name)
+            self.expert_bits = expert_bits
+
+        def parameters(self, layer, num_experts: int) -> dict[str, torch.Tensor]:
+            from moeshrink_kernels.experts import TWXLayout
+
+            if len(self.expert_bits) != num_experts:
+                raise PackedExpertsError(f"{self.layer_name}: quantization_config.expert_bits lists "
+                                         f"{len(self.expert_bits)} experts, the model has {num_experts}")
+            hidden, inter = self.hidden, self.intermediate
+            self.layout = TWXLayout.of(self.expert_bits, hidden, inter)
+            layer.register_buffer("twx_layout", self.layout.as_tensor(), persistent=False)
+            return {
+                "w13_twx_codes": torch.zeros(self.layout.w13_bytes, dtype=torch.uint8),
+                "w13_twx_scales": torch.zeros(num_experts, 2 * inter, hidden // 32, dtype=torch.uint8),
+                "w2_twx_codes": torch.zeros(self.layout.w2_bytes, dtype=torch.uint8),
+                "w2_twx_scales": torch.zeros(num_experts, hidden, inter // 32, dtype=torch.uint8),
+            }
+
+        def target(self, data: torch.Tensor, param_name: str, expert: int) -> torch.Tensor:
+            if param_name.endswith("scales"):
+                return data[expert]
+            w13 = param_name.startswith("w13")
+            rows, k = (2 * self.intermediate, self.hidden) if w13 else (self.hidden, self.intermediate)
+            width = k * self.expert_bits[expert] // 8
+            offset = (self.layout.w13_offsets if w13 else self.layout.w2_offsets)[expert]
+            return data[offset:offset + rows * width].view(rows, width)
+
+        def run(self, layer, x, topk_weights, topk_ids):
+            return torch.ops.moeshrink.twx_experts(x, topk_weights, topk_ids, layer.w13_twx_codes,
+                                                   layer.w13_twx_scales, layer.w2_twx_codes, layer.w2_twx_scales,
+                                                   layer.twx_layout)
+
+    class MXFP4ExpertsMethod(PackedExpertsMethod):
+        """Routed experts in vLLM's per-expert MXFP4 layout: w13/w2 `_weight` uint8 (two E2M1 codes per
+        byte) and `_weight_scale` uint8 E8M0 per 32 inputs."""
+
+        def parameters(self, layer, num_experts: int) -> dict[str, torch.Tensor]:
+            hidden, inter = self.hidden, self.intermediate
+            return {
+                "w13_weight": torch.zeros(num_experts, 2 * inter, hidden // 2, dtype=torch.uint8),
+                "w13_weight_scale": torch.zeros(num_experts, 2 * inter, hidden // 32, dtype=torch.uint8),
+                "w2_weight": torch.zeros(num_experts, hidden, inter // 2, dtype=torch.uint8),
+                "w2_weight_scale": torch.zeros(num_experts, hidden, inter // 32, dtype=torch.uint8),
+            }
+
+        def target(self, data: torch.Tensor, param_name: str, expert: int) -> torch.Tensor:
+            return data[expert]
+
+        def run(self, layer, x, topk_weights, topk_ids):
+            return torch.ops.moeshrink.mxfp4_experts(x, topk_weights, topk_ids, layer.w13_weight,
+                                                     layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale)
+
+    return TWXExpertsMethod, MXFP4ExpertsMethod
+
+
+def _quant_method_for(layer, prefix: str, make_moe_method):
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    if isinstance(layer, LinearBase):
+        return UnquantizedLinearMethod()
+    if isinstance(layer, RoutedExperts):
+        return make_moe_method(layer.moe_config, prefix)
+    return None
+
+
+def _packed_config_base():
+    """What both methods' configs share: activations in any float dtype, no extra files, no GPU
+    capability floor, and only routed experts quantized."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    class PackedExpertsConfig(QuantizationConfig):
+        name = ""
+
+        def __init__(self, quant_config: dict):
+            super().__init__()
+            self.quant_config = quant_config
+
+        def get_name(self) -> str:
+            return self.name
+
+        def get_supported_act_dtypes(self) -> list[torch.dtype]:
+            return [torch.bfloat16, torch.float16, torch.float32]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 0
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []
+
+        @classmethod
+        def from_config(cls, config: dict):
+            return cls(config)
+
+        def make_moe_method(self, moe, prefix: str):
+            raise NotImplementedError
+
+        def get_quant_method(self, layer, prefix: str):
+            return _quant_method_for(layer, prefix, self.make_moe_method)
+
+    return PackedExpertsConfig
+
+
+def _twx_config_class():
+    class TWXConfig(_packed_config_base()):
+        name = "twx"
+
+        def __init__(self, quant_config: dict):
+            super().__init__(quant_config)
+            version = quant_config.get("format_version")
+            if version not in TWX_FORMAT_VERSIONS:
+                raise PackedExpertsError(f"quantization_config.format_version {version!r}: this plugin reads TWX "
+                                         f"format versions {list(TWX_FORMAT_VERSIONS)}")
+            if quant_config.get("group_size") != 32 or quant_config.get("scale_encoding") != "ue5m3":
+                raise PackedExpertsError("quantization_config: TWX v1 has group_size 32 and scale_encoding ue5m3, got "
+                                         f"{quant_config.get('group_size')!r} and {quant_config.get('scale_encoding')!r}")
+            self.expert_bits = {int(layer): [int(b) for _, b in sorted(experts.items(), key=lambda kv: int(kv[0]))]
+                                for layer, experts in quant_config["expert_bits"].items()}
+
+        def make_moe_method(self, moe, prefix: str):
+            twx_method, _ = _methods()
+            index = _layer_index(prefix)
+            if index not in self.expert_bits:
+                raise PackedExpertsError(f"{prefix}: quantization_config.expert_bits has no layer {index}")
+            return twx_method(moe, self.expert_bits[index], prefix)
+
+    return TWXConfig
+
+
+def _mxfp4_config_class():
+    from vllm.platforms import current_platform
+
+    class MoeshrinkMXFP4Config(_packed_config_base()):
+        name = "moeshrink_mxfp4"
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg: dict, user_quant: str | None, hf_config: Any = None):
+            architectures = getattr(hf_config, "architectures", None) or []
+            claims = (hf_quant_cfg.get("quant_method") == "mxfp4" and current_platform.is_cpu()
+                      and any(a.startswith(("DeepseekV3", "DeepseekV2", "KimiK2")) for a in architectures))
+            return "moeshrink_mxfp4" if claims and user_quant in (None, "mxfp4", "moeshrink_mxfp4") else None
+
+        def make_moe_method(self, moe, prefix: str):
+            _, mxfp4_method = _methods()
+            return mxfp4_method(moe, prefix)
+
+    return MoeshrinkMXFP4Config
+
+
+def weight_bytes(model: torch.nn.Module) -> dict:
+    """Bytes the model holds: parameters and buffers in all, parameters alone, and the routed
+    experts' parameters (what the checkpoint's routed-expert bytes become in memory)."""
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    routed = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    return {"weight_bytes": parameters + buffers, "parameter_bytes": parameters, "routed_expert_bytes": routed}
+
+
+def _loader_class():
+    """`--load-format moeshrink`: vLLM's safetensors loader, then one log line with the bytes of the
+    parameters it loaded (vLLM prints no weight-memory line on CPU)."""
+    import dataclasses
+    import json
+
+    from vllm.logger import init_logger
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    logger = init_logger("vllm.moeshrink")
+
+    class WeightCountingLoader(DefaultModelLoader):
+        def __init__(self, load_config):
+            super().__init__(dataclasses.replace(load_config, load_format="safetensors"))
+
+        def load_model(self, vllm_config, model_config, prefix: str = ""):
+            model = super().load_model(vllm_config, model_config, prefix=prefix)
+            logger.info("%s %s", WEIGHTS_LINE, json.dumps(weight_bytes(model)))
+            return model
+
+    return WeightCountingLoader

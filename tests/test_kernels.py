@@ -1,0 +1,176 @@
+"""The packed-expert kernels against reference decode + dense matmul, and the vLLM plugin's weight
+loading and its failures (no server here; serving is in the end-to-end test)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeshrink import mxfp4, twx
+from moeshrink_kernels.experts import TWXLayout, mxfp4_routed_experts, twx_routed_experts
+
+HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 6, 2
+
+
+def reference_moe(x, topk_weights, topk_ids, w13: list[torch.Tensor], w2: list[torch.Tensor]) -> torch.Tensor:
+    """Dense: every expert decoded up front, bf16 weights, float32 maths."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            gate_up = w13[e].float() @ x[t].float()
+            y = w2[e].float() @ (F.silu(gate_up[:INTER]) * gate_up[INTER:])
+            out[t] += topk_weights[t, k] * y
+    return out
+
+
+def routing(tokens: int, generator: torch.Generator):
+    logits = torch.randn(tokens, EXPERTS, generator=generator)
+    weights, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+    return weights, ids.to(torch.int32)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected).norm() / expected.norm())
+
+
+def packed_twx_layer(weights13, weights2, bits):
+    layout = TWXLayout.of(bits, HIDDEN, INTER)
+    codes13, scales13, codes2, scales2 = [], [], [], []
+    for e, b in enumerate(bits):
+        c, s = twx.encode(weights13[e], b)
+        codes13.append(c.reshape(-1)), scales13.append(s)
+        c, s = twx.encode(weights2[e], b)
+        codes2.append(c.reshape(-1)), scales2.append(s)
+    return (torch.cat(codes13), torch.stack(scales13), torch.cat(codes2), torch.stack(scales2), layout)
+
+
+@pytest.mark.parametrize("source", ["random", "organism"])
+def test_twx_experts_match_reference_decode_and_matmul(source, published):
+    generator = torch.Generator().manual_seed(0)
+    if source == "random":
+        weights13 = [torch.randn(2 * INTER, HIDDEN, generator=generator) * 0.05 for _ in range(EXPERTS)]
+        weights2 = [torch.randn(HIDDEN, INTER, generator=generator) * 0.05 for _ in range(EXPERTS)]
+    else:  # the tiny organism's own experts, decoded from its MXFP4 files
+        from safetensors import safe_open
+
+        from moeshrink.checkpoint import index_of
+
+        folder, _ = published
+        weight_map = index_of(folder)["weight_map"]
+
+        def expert(e, projection):
+            name = f"model.layers.1.mlp.experts.{e}.{projection}.weight"
+            with safe_open(str(folder / weight_map[name]), "pt") as f:
+                return mxfp4.decode(f.get_tensor(name), f.get_tensor(name + "_scale"), torch.float32)
+
+        shape = expert(0, "gate_proj").shape
+        if shape != (INTER, HIDDEN):
+            pytest.skip(f"organism experts are {tuple(shape)}")
+        weights13 = [torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in range(EXPERTS)]
+        weights2 = [expert(e, "down_proj") for e in range(EXPERTS)]
+    bits = [3, 2, 3, 3, 2, 2]
+    codes13, scales13, codes2, scales2, layout = packed_twx_layer(weights13, weights2, bits)
+    decoded13 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights13, bits)]
+    decoded2 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
+    x = torch.randn(9, HIDDEN, generator=generator).to(torch.bfloat16)
+    topk_weights, topk_ids = routing(9, generator)
+    got = twx_routed_experts(x, topk_weights, topk_ids, codes13, scales13, codes2, scales2, layout.as_tensor())
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert relative_error(got, reference_moe(x, topk_weights, topk_ids, decoded13, decoded2)) <= 1e-2
+
+
+def test_mxfp4_experts_match_reference_decode_and_matmul():
+    generator = torch.Generator().manual_seed(1)
+    pairs13 = [mxfp4.encode(torch.randn(2 * INTER, HIDDEN, generator=generator) * 0.05) for _ in range(EXPERTS)]
+    pairs2 = [mxfp4.encode(torch.randn(HIDDEN, INTER, generator=generator) * 0.05) for _ in range(EXPERTS)]
+    x = torch.randn(7, HIDDEN, generator=generator).to(torch.bfloat16)
+    topk_weights, topk_ids = routing(7, generator)
+    got = mxfp4_routed_experts(x, topk_weights, topk_ids, torch.stack([p[0] for p in pairs13]),
+                               torch.stack([p[1] for p in pairs13]), torch.stack([p[0] for p in pairs2]),
+                               torch.stack([p[1] for p in pairs2]))
+    expected = reference_moe(x, topk_weights, topk_ids, [mxfp4.decode(*p) for p in pairs13],
+                             [mxfp4.decode(*p) for p in pairs2])
+    assert relative_error(got, expected) <= 1e-2
+
+
+# ----------------------------------------------------------------------------------- the plugin
+@pytest.fixture(scope="module")
+def plugin():
+    from moeshrink_kernels import vllm_plugin
+
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent: vLLM calls it in every process
+    return vllm_plugin
+
+
+def quant_config(**changes) -> dict:
+    config = {"quant_method": "twx", "format": "twx2.5", "format_version": 1, "group_size": 32,
+              "scale_encoding": "ue5m3", "expert_bits": {"1": {str(e): b for e, b in enumerate([3, 2, 3, 3, 2, 2])}}}
+    return {**config, **changes}
+
+
+def test_unknown_format_version_fails_at_load(plugin):
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    with pytest.raises(plugin.PackedExpertsError, match=r"format_version 2: this plugin reads TWX format versions \[1\]"):
+        get_quantization_config("twx").from_config(quant_config(format_version=2))
+
+
+def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin):
+    twx_method, _ = plugin._methods()
+    bits = [3, 2, 3, 3, 2, 2]
+    method = twx_method(SimpleNamespace(moe_parallel_config=None), bits, "model.layers.1.mlp.experts")
+    layer = torch.nn.Module()
+    method.create_weights(layer, EXPERTS, HIDDEN, INTER, torch.bfloat16, weight_loader=None,
+                          unpadded_hidden_size=HIDDEN, global_num_experts=EXPERTS)
+    generator = torch.Generator().manual_seed(2)
+    weights13 = [torch.randn(2 * INTER, HIDDEN, generator=generator) * 0.05 for _ in range(EXPERTS)]
+    weights2 = [torch.randn(HIDDEN, INTER, generator=generator) * 0.05 for _ in range(EXPERTS)]
+    for e, b in enumerate(bits):  # as the checkpoint stores them: gate, up and down separately
+        for projection, shard, weight in (("gate_proj", "w1", weights13[e][:INTER]), ("up_proj", "w3", weights13[e][INTER:]),
+                                          ("down_proj", "w2", weights2[e])):
+            codes, scales = twx.encode(weight, b)
+            prefix = "w13" if shard != "w2" else "w2"
+            for kind, tensor in (("codes", codes), ("scales", scales)):
+                param = getattr(layer, f"{prefix}_twx_{kind}")
+                param.weight_loader(param, tensor, f"model.layers.1.mlp.experts.{e}.{projection}.twx_{kind}", shard, e)
+    assert torch.equal(layer.w2_twx_codes, packed_twx_layer(weights13, weights2, bits)[2])
+    decoded13 = [torch.cat([twx.decode(*twx.encode(w[:INTER], b), torch.bfloat16),
+                            twx.decode(*twx.encode(w[INTER:], b), torch.bfloat16)]) for w, b in zip(weights13, bits)]
+    decoded2 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
+    x = torch.randn(5, HIDDEN, generator=generator).to(torch.bfloat16)
+    topk_weights, topk_ids = routing(5, generator)
+    got = twx_routed_experts(x, topk_weights, topk_ids, layer.w13_twx_codes, layer.w13_twx_scales, layer.w2_twx_codes,
+                             layer.w2_twx_scales, layer.twx_layout)
+    assert relative_error(got, reference_moe(x, topk_weights, topk_ids, decoded13, decoded2)) <= 1e-2
+    wrong = torch.zeros(INTER, HIDDEN * 3 // 8 + 1, dtype=torch.uint8)
+    with pytest.raises(plugin.PackedExpertsError, match=r"experts\.0\.gate_proj\.twx_codes: expected torch.uint8"):
+        layer.w13_twx_codes.weight_loader(layer.w13_twx_codes, wrong, "model.layers.1.mlp.experts.0.gate_proj.twx_codes",
+                                          "w1", 0)
+
+
+def test_mxfp4_loader_places_gate_up_and_down(plugin):
+    _, mxfp4_method = plugin._methods()
+    method = mxfp4_method(SimpleNamespace(moe_parallel_config=None), "model.layers.1.mlp.experts")
+    layer = torch.nn.Module()
+    method.create_weights(layer, EXPERTS, HIDDEN, INTER, torch.bfloat16, weight_loader=None)
+    generator = torch.Generator().manual_seed(3)
+    weights13, weights2 = [], []
+    for e in range(EXPERTS):
+        gate, up, down = (torch.randn(*shape, generator=generator) * 0.05
+                          for shape in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)))
+        for projection, shard, weight in (("gate_proj", "w1", gate), ("up_proj", "w3", up), ("down_proj", "w2", down)):
+            packed, scales = mxfp4.encode(weight)
+            prefix = "w2" if shard == "w2" else "w13"
+            for suffix, tensor in (("weight", packed), ("weight_scale", scales)):
+                param = getattr(layer, f"{prefix}_{suffix}")
+                assert param.weight_loader(param, tensor, f"experts.{e}.{projection}.{suffix}", shard, e,
+                                           return_success=True)
+        weights13.append(torch.cat([mxfp4.decode(*mxfp4.encode(gate)), mxfp4.decode(*mxfp4.encode(up))]))
+        weights2.append(mxfp4.decode(*mxfp4.encode(down)))
+    x = torch.randn(6, HIDDEN, generator=generator).to(torch.bfloat16)
+    topk_weights, topk_ids = routing(6, generator)
+    got = mxfp4_routed_experts(x, topk_weights, topk_ids, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
+                               layer.w2_weight_scale)
+    assert relative_error(got, reference_moe(x, topk_weights, topk_ids, weights13, weights2)) <= 1e-2
