@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--logs", type=Path, default=Path("logs/bench"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    prov = Provenance("bench_plugin_agreement", vars(args) | {"workdir": str(args.workdir)})
+    prov = Provenance("bench_plugin_agreement", {k: str(v) for k, v in vars(args).items()})
     work = args.workdir
     vocab = read_json(work / "results/upstream/config.json")["vocab_size"]
     prompts = corpus_prompts(work, args.prompts, args.length)

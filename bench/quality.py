@@ -138,7 +138,7 @@ def main() -> int:
         print(f"  {label}: TWX {e['twx' + suffix]:.4f}  " + "  ".join(
             f"{kind.upper()} {e[kind + suffix]:.4f}" for kind in METHODS if kind != "twx"))
     for name, ratios in result["ratios"].items():
-        print(f"against round-to-nearest with an {name}: TWX3/RTN3 = {ratios['twx3_over_rtn3']:.3f}, "
+        print(f"against round-to-nearest, {name}: TWX3/RTN3 = {ratios['twx3_over_rtn3']:.3f}, "
               f"TWX2.5/RTN mix = {ratios['twx2_5_over_rtn_mix']:.3f}, TWX2/RTN2 = {ratios['twx2_over_rtn2']:.3f}")
     target = result["ratios"]["8-bit scale"]
     ok3, ok25 = target["twx3_over_rtn3"] <= TARGET_RATIO, target["twx2_5_over_rtn_mix"] <= TARGET_RATIO

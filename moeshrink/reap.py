@@ -210,6 +210,9 @@ def layer_saliency(upstream: Path, token_ids: torch.Tensor, threads: int | None 
         prefix = f"model.layers.{index}."
         skip = {n for n in reader.names_under(prefix) if adapter.parse_expert(n) or adapter.router_layer(n) is not None}
         if index in moe_layers:
+            if hasattr(layer.mlp, "shared_expert_gate"):
+                raise ReapError(f"reap: layer {index} has a gated shared expert (Qwen2-MoE), which this forward "
+                                "does not compute; use method router_sum")
             shared = getattr(layer.mlp, "shared_experts", None)
             layer.mlp = nn.Identity()
         _materialise(layer, reader, prefix, skip)

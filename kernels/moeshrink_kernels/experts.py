@@ -72,11 +72,12 @@ def twx_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                        w2_scales: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
     table = layout.tolist()
 
+    # decoded to bf16, as a bf16 model holds its weights (TWX values times UE5M3 scales need rounding)
     def w13(e: int) -> torch.Tensor:
-        return twx_expert(w13_codes, table[e][1], table[e][0], w13_scales[e], torch.float32)
+        return twx_expert(w13_codes, table[e][1], table[e][0], w13_scales[e], torch.bfloat16)
 
     def w2(e: int) -> torch.Tensor:
-        return twx_expert(w2_codes, table[e][2], table[e][0], w2_scales[e], torch.float32)
+        return twx_expert(w2_codes, table[e][2], table[e][0], w2_scales[e], torch.bfloat16)
 
     return routed_experts(x, topk_weights, topk_ids, w13, w2)
 
