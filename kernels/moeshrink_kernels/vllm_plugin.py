@@ -59,10 +59,6 @@ def _mxfp4_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     return mxfp4_routed_experts(x, topk_weights, topk_ids, w13_packed, w13_scales, w2_packed, w2_scales)
 
 
-def _fake(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
 def _twx_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
               w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
               layout: torch.Tensor) -> torch.Tensor:
