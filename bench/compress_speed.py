@@ -15,7 +15,6 @@ Prints, each against a baseline measured in the same run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ from safetensors import safe_open
 
 from moeshrink import twx
 from moeshrink.checkpoint import INDEX_FILE, build_manifest, read_header, write_manifest
-from moeshrink.shardio import save_shard
+from moeshrink.shardio import data_start, save_shard
 from moeshrink.ioutil import atomic_write_json, read_json
 from moeshrink.provenance import Provenance
 
@@ -132,9 +131,7 @@ def plain_copy(source: Path, build: Path, out: Path) -> tuple[float, int]:
     copied = 0
     start = time.perf_counter()
     for shard in sorted(source.glob("*.safetensors")):
-        header = read_header(shard)
-        with open(shard, "rb") as f:
-            base = 8 + int.from_bytes(f.read(8), "little")
+        header, base = read_header(shard), data_start(shard)
         source_fd = os.open(shard, os.O_RDONLY)
         target_fd = os.open(out / shard.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

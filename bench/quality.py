@@ -17,18 +17,16 @@ gets the bits the TWX2.5 plan gives it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from moeshrink import twx
 from moeshrink.arch import adapter_for
-from moeshrink.checkpoint import index_of
-from moeshrink.compress import FORMATS, allocate_bits, expert_norms, read_expert_weight, relative_error, source_format
+from moeshrink.compress import (FORMATS, allocate_bits, expert_norms, expert_weights, relative_error,
+                                source_format)
 from moeshrink.ioutil import atomic_write_json, read_json
 from moeshrink.provenance import Provenance
 
@@ -84,27 +82,18 @@ def measure(upstream: Path) -> dict:
     squared_error.update({f"{m}_mix": 0.0 for m in METHODS})
     total, weights = 0.0, 0
     seconds = {m: 0.0 for m in METHODS}
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in index_of(upstream)["weight_map"].items():
-        ref = adapter.parse_expert(name)
-        if ref and ref.suffix == "weight":
-            by_shard.setdefault(shard, []).append(name)
-    for shard, names in sorted(by_shard.items()):
-        with safe_open(str(upstream / shard), "pt") as f:
-            for name in sorted(names):
-                ref = adapter.parse_expert(name)
-                weight = read_expert_weight(f, name, fmt)
-                total += float(weight.double().pow(2).sum())
-                weights += weight.numel()
-                mix_bits = plan_bits[ref.layer][ref.expert]
-                for method, roundtrip in METHODS.items():
-                    for bits in (2, 3):
-                        start = time.perf_counter()
-                        error = float((roundtrip(weight, bits) - weight).double().pow(2).sum())
-                        seconds[method] += time.perf_counter() - start
-                        squared_error[f"{method}{bits}"] += error
-                        if bits == mix_bits:
-                            squared_error[f"{method}_mix"] += error
+    for ref, weight in expert_weights(upstream, adapter, fmt):
+        total += float(weight.double().pow(2).sum())
+        weights += weight.numel()
+        mix_bits = plan_bits[ref.layer][ref.expert]
+        for method, roundtrip in METHODS.items():
+            for bits in (2, 3):
+                start = time.perf_counter()
+                error = float((roundtrip(weight, bits) - weight).double().pow(2).sum())
+                seconds[method] += time.perf_counter() - start
+                squared_error[f"{method}{bits}"] += error
+                if bits == mix_bits:
+                    squared_error[f"{method}_mix"] += error
     relative = {k: v / total for k, v in squared_error.items()}
 
     def ratio(twx_key: str, suffix: str, kinds: tuple[str, ...]) -> float:

@@ -7,25 +7,25 @@ format, decoded exactly from their upstream encoding first (MXFP4 never goes thr
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from moeshrink import mxfp4, prune, twx
-from moeshrink.arch import CLASSES, Adapter, adapter_for, check_has_moe
+from moeshrink.arch import CLASSES, Adapter, ExpertTensor, adapter_for, check_has_moe
 from moeshrink.checkpoint import (INDEX_FILE, CheckpointError, index_of, read_header, remember_verified, verify_shard,
-                                  write_manifest, build_manifest)
+                                  build_manifest)
 from moeshrink.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
 from moeshrink.shardio import StoredTensor, data_start, save_shard, stored_tensor
 
 log = logging.getLogger(__name__)
 FORMATS = {"twx3": {"bits_per_weight_max": 3.25}, "twx2.5": {"bits_per_weight_max": 2.75}}
-TWX_CODES, TWX_SCALES = "twx_codes", "twx_scales"
+TWX_CODES, TWX_SCALES = twx.CODES, twx.SCALES
 TOKENIZER_AND_CONFIG_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                               "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
                               "merges.txt", "tiktoken.model")
@@ -75,20 +75,26 @@ def router_tensors(upstream: Path, adapter: Adapter, layers: list[int]) -> dict[
     return out
 
 
-def expert_norms(upstream: Path, adapter: Adapter, fmt: str, kept: dict[int, list[int]]) -> dict[int, dict[int, float]]:
-    """Squared Frobenius norm of each kept expert (all its projections), read shard by shard."""
-    weight_map = index_of(upstream)["weight_map"]
-    norms: dict[int, dict[int, float]] = {layer: {e: 0.0 for e in experts} for layer, experts in kept.items()}
+def expert_weights(upstream: Path, adapter: Adapter, fmt: str, wanted=lambda ref: True
+                   ) -> Iterator[tuple[ExpertTensor, torch.Tensor]]:
+    """Each routed-expert weight that `wanted` accepts, as exact float32, one shard open at a time."""
     by_shard: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
+    for name, shard in index_of(upstream)["weight_map"].items():
         ref = adapter.parse_expert(name)
-        if ref and ref.suffix == "weight" and ref.layer in kept and ref.expert in norms[ref.layer]:
+        if ref and ref.suffix == "weight" and wanted(ref):
             by_shard.setdefault(shard, []).append(name)
     for shard, names in sorted(by_shard.items()):
         with safe_open(str(upstream / shard), "pt") as f:
             for name in names:
-                ref = adapter.parse_expert(name)
-                norms[ref.layer][ref.expert] += float(read_expert_weight(f, name, fmt).pow(2).sum())
+                yield adapter.parse_expert(name), read_expert_weight(f, name, fmt)
+
+
+def expert_norms(upstream: Path, adapter: Adapter, fmt: str, kept: dict[int, list[int]]) -> dict[int, dict[int, float]]:
+    """Squared Frobenius norm of each kept expert (all its projections), read shard by shard."""
+    norms: dict[int, dict[int, float]] = {layer: {e: 0.0 for e in experts} for layer, experts in kept.items()}
+    for ref, weight in expert_weights(upstream, adapter, fmt,
+                                      lambda ref: ref.layer in kept and ref.expert in norms[ref.layer]):
+        norms[ref.layer][ref.expert] += float(weight.pow(2).sum())
     return norms
 
 
@@ -202,8 +208,12 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
     source = upstream / shard
     header, start = read_header(source), data_start(source)
 
-    def unchanged(name: str) -> StoredTensor:
-        return stored_tensor(source, header, name, start)
+    def copy_unchanged(name: str, target: str) -> None:
+        """The tensor's bytes, and its MXFP4 `_scale` companion's, as they are upstream."""
+        out[target] = stored_tensor(source, header, name, start)
+        if name + "_scale" in header:
+            out[target + "_scale"] = stored_tensor(source, header, name + "_scale", start)
+        counts["copied"] += 1
 
     with safe_open(str(source), "pt") as f:
         names = set(f.keys())
@@ -225,10 +235,7 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                     out[f"{base}.{TWX_CODES}"], out[f"{base}.{TWX_SCALES}"] = codes, scales
                     counts["quantized"] += 1
                 else:
-                    out[target] = unchanged(name)
-                    if name + "_scale" in names:
-                        out[target + "_scale"] = unchanged(name + "_scale")
-                    counts["copied"] += 1
+                    copy_unchanged(name, target)
             elif router_layer is not None and router_layer in kept:
                 out[name] = f.get_tensor(name)[torch.tensor(kept[router_layer])].contiguous()
                 counts["sliced"] += 1
@@ -238,10 +245,7 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                 out[name] = f.get_tensor(name)[torch.tensor(kept[adapter.fused_layer(name)])].contiguous()
                 counts["sliced"] += 1
             else:
-                out[name] = unchanged(name)
-                if name + "_scale" in names:
-                    out[name + "_scale"] = unchanged(name + "_scale")
-                counts["copied"] += 1
+                copy_unchanged(name, name)
     with atomic_path(out_path) as tmp:
         digest = save_shard(out, tmp, {"format": "pt", "moeshrink_build": plan["build"]})
     remember_verified(out_path.parent, out_path.name, digest)

@@ -18,7 +18,7 @@ from moeshrink.ioutil import atomic_path, atomic_write_json
 SCALE_SUFFIX = "_scale"
 
 
-TWX_CODES, TWX_SCALES = ".twx_codes", ".twx_scales"
+TWX_CODES, TWX_SCALES = "." + twx.CODES, "." + twx.SCALES
 DECODABLE = ("mxfp4", "twx")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 GROUP = 32
+# tensor-name suffixes of a TWX weight, in place of `weight`: `<module>.twx_codes`, `<module>.twx_scales`
+CODES, SCALES = "twx_codes", "twx_scales"
 SCALE_EXP_BIAS = 20
 LEVELS: dict[int, torch.Tensor] = {
     3: torch.tensor([-1.0, -0.5534, -0.2948, -0.1286, 0.0, 0.2410, 0.5519, 1.0]),

@@ -1,6 +1,5 @@
 """REAP: the layer-by-layer forward reproduces the model, the saliency follows its definition,
 and a reap build keeps the most salient experts of every group."""
-import json
 
 import pytest
 import torch
