@@ -19,6 +19,7 @@ except ConfigError as error:
 include: "rules/common.smk"
 include: "rules/upstream.smk"
 include: "rules/compress.smk"
+include: "rules/serve.smk"
 include: "rules/report.smk"
 
 

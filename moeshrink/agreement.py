@@ -7,14 +7,14 @@ import math
 
 import torch
 
-from moeshrink.vllm_server import VLLMServer
+from moeshrink.vllm_server import ServerClient
 
 
 class AgreementError(RuntimeError):
     pass
 
 
-def prompt_logprobs(server: VLLMServer, model: str, prompt_ids: list[int], vocab_size: int) -> torch.Tensor:
+def prompt_logprobs(server: ServerClient, model: str, prompt_ids: list[int], vocab_size: int) -> torch.Tensor:
     """[len(prompt) - 1, vocab] log-probabilities of the next token at every prompt position."""
     status, reply = server.post("/v1/completions", {"model": model, "prompt": prompt_ids, "max_tokens": 1,
                                                     "temperature": 0, "prompt_logprobs": -1})

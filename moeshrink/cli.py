@@ -80,6 +80,24 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from moeshrink import planner
+    from moeshrink.ioutil import atomic_write_json
+
+    result = planner.plan(_load(args.config), Path(args.results))
+    print(planner.table(result))
+    if args.json:
+        atomic_write_json(args.json, result)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from moeshrink.serve import run_service
+
+    return run_service(args.build, Path(args.model_dir), json.loads(args.serve_json), Path(args.prediction),
+                       Path(args.endpoint), Path(args.log))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moeshrink", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["twx3", "twx2.5"], required=True)
     p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (twx2.5 default 2.75)")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("plan", help="predict weights, KV-cache room and tokens per card for every build, GPU type "
+                                    "and tensor-parallel size, from checkpoint headers and config.json alone")
+    p.add_argument("--config", default="config.yaml")
+    p.add_argument("--results", default="results", help="where built builds and the upstream are looked for")
+    p.add_argument("--json", help="also write the table as JSON here")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("serve", help="serve one build with vLLM until SIGTERM (the workflow's service job)")
+    p.add_argument("--build", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--serve-json", required=True, help="the serve config subtree as JSON")
+    p.add_argument("--prediction", required=True, help="results/serve/{build}/prediction.json")
+    p.add_argument("--endpoint", required=True, help="written once the server answers")
+    p.add_argument("--log", required=True, help="the server's raw log")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -17,7 +17,7 @@ BLOCK = 32
 E2M1_EMAX = 2
 SCALE_BIAS = 127
 # Magnitudes of codes 0..7; bit 3 is the sign.
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 _MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
 
 

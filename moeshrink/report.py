@@ -53,6 +53,7 @@ def context(inputs: dict[str, Path], config: dict, benchmark_dir: Path) -> dict:
         "train": read_json(inputs["train"]) if "train" in inputs else None,
         "builds": config["builds"],
         "build_rows": build_rows(inputs, config),
+        "memory_rows": memory_rows(inputs, config),
     }
     return ctx
 
@@ -67,6 +68,17 @@ def build_rows(inputs: dict[str, Path], config: dict) -> list[dict]:
         rows.append({"id": build_id, "label": config["builds"][build_id]["label"], "bytes": manifest["total_bytes"],
                      "ratio": ratio, "bits": manifest["routed_expert_bits_per_weight"],
                      "experts": manifest["num_experts"], "by_class": manifest["bytes_by_class"]})
+    return rows
+
+
+def memory_rows(inputs: dict[str, Path], config: dict) -> list[dict]:
+    rows = []
+    for key, path in inputs.items():
+        if key.startswith("memory_"):
+            measured = read_json(path)
+            prediction = read_json(inputs[f"prediction_{measured['build']}"])
+            rows.append({**measured, "label": config["builds"][measured["build"]]["label"],
+                         "utilisation": prediction["utilisation"]})
     return rows
 
 

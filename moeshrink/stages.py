@@ -172,3 +172,32 @@ def build_folder(build_id: str, build_cfg: dict, upstream_dir: Path, out_dir: Pa
     for shard in plan["shards"]:
         build_shard(upstream_dir, upstream_manifest, shard, out_dir / "plan.json", out_dir / shard)
     return build_gather(out_dir, upstream_dir, upstream_manifest, out_dir / "plan.json", plan["shards"])
+
+
+def serve_prediction(build_id: str, build_dir: Path, serve_cfg: dict, out_file: Path) -> dict:
+    from moeshrink.served_memory import predict_for_serving
+
+    prov = Provenance("serve_prediction", {"serve": serve_cfg}, inputs=[str(build_dir)])
+    prediction = {"build": build_id, **predict_for_serving(build_dir, serve_cfg)}
+    prediction["provenance"] = prov.record()
+    atomic_write_json(out_file, prediction)
+    return prediction
+
+
+def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_file: Path, endpoint_file: Path,
+                 out_file: Path) -> dict:
+    from moeshrink.endpoint import wait_for_endpoint
+    from moeshrink.served_memory import measure
+
+    prov = Provenance("serve_memory", {"serve": serve_cfg}, inputs=[str(build_dir), str(prediction_file)])
+    endpoint = wait_for_endpoint(endpoint_file, float(serve_cfg.get("startup_timeout_s", 1800)) + 120)
+    figures = measure(endpoint.log.read_text(errors="replace"), endpoint.get_text("/metrics"),
+                      read_json(build_dir / "config.json"), serve_cfg, read_json(prediction_file),
+                      endpoint.record["platform"])
+    failed = [name for name, ok in figures["checks"].items() if not ok]
+    if failed:
+        logging.getLogger("moeshrink.serve").warning("%s: memory checks failed: %s", build_id, ", ".join(failed))
+    server = {key: endpoint.record[key] for key in ("command", "args", "startup_seconds", "model_dir", "log")}
+    result = {"build": build_id, **figures, "server": server, "provenance": prov.record()}
+    atomic_write_json(out_file, result)
+    return result

@@ -20,9 +20,10 @@ GROUP = 32
 # tensor-name suffixes of a TWX weight, in place of `weight`: `<module>.twx_codes`, `<module>.twx_scales`
 CODES, SCALES = "twx_codes", "twx_scales"
 SCALE_EXP_BIAS = 20
+# float32 whatever the default dtype when imported (vLLM sets bfloat16 while it builds a model)
 LEVELS: dict[int, torch.Tensor] = {
-    3: torch.tensor([-1.0, -0.5534, -0.2948, -0.1286, 0.0, 0.2410, 0.5519, 1.0]),
-    2: torch.tensor([-1.0, -0.2884, 0.2884, 1.0]),
+    3: torch.tensor([-1.0, -0.5534, -0.2948, -0.1286, 0.0, 0.2410, 0.5519, 1.0], dtype=torch.float32),
+    2: torch.tensor([-1.0, -0.2884, 0.2884, 1.0], dtype=torch.float32),
 }
 # Scale candidates searched around the block's absolute maximum, in UE5M3 steps (1/8 octave).
 SEARCH_STEPS = range(-8, 3)

@@ -5,6 +5,7 @@ whole group, then SIGKILL after a timeout, so no engine or worker process outliv
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -35,53 +36,21 @@ def log_tail(path: Path, lines: int = 50) -> str:
         return "(no log)"
 
 
-class VLLMServer:
-    def __init__(self, model_dir: Path, log_path: Path, args: list[str] | None = None, env: dict | None = None,
-                 startup_timeout_s: float = 900, served_name: str | None = None):
-        self.model_dir = Path(model_dir)
-        self.log_path = Path(log_path)
-        self.args = args or []
-        self.env = env or {}
-        self.startup_timeout_s = startup_timeout_s
-        self.served_name = served_name or self.model_dir.name
-        self.port = free_port()
-        self.api_key = secrets.token_hex(16)
-        self.process: subprocess.Popen | None = None
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies (Linux), so a
+    killed supervisor cannot leave a server behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                "--api-key", self.api_key, *self.args]
+class ServerClient:
+    """Requests to a running OpenAI-compatible server with its API key."""
 
-    def start(self) -> "VLLMServer":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **self.env}, start_new_session=True)
-        deadline = time.time() + self.startup_timeout_s
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"vLLM exited with code {self.process.returncode} while starting "
-                                  f"{self.model_dir}; last lines of {self.log_path}:\n{log_tail(self.log_path)}")
-            if self._ready():
-                return self
-            time.sleep(2)
-        self.stop()
-        raise ServerError(f"vLLM did not answer /health within {self.startup_timeout_s:.0f} s; "
-                          f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
-                if response.status != 200:
-                    return False
-            return self.get("/v1/models")[0] == 200
-        except (urllib.error.URLError, ConnectionError, OSError):
-            return False
+    def __init__(self, base_url: str, api_key: str):
+        self.base_url = base_url
+        self.api_key = api_key
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float = 600) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
@@ -99,6 +68,60 @@ class VLLMServer:
 
     def post(self, path: str, body: dict) -> tuple[int, dict]:
         return self.request("POST", path, body)
+
+    def get_text(self, path: str, timeout: float = 30) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as response:
+            return response.read().decode(errors="replace")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
+                if response.status != 200:
+                    return False
+            return self.get("/v1/models")[0] == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+
+class VLLMServer(ServerClient):
+    def __init__(self, model_dir: Path, log_path: Path, args: list[str] | None = None, env: dict | None = None,
+                 startup_timeout_s: float = 900, served_name: str | None = None):
+        self.model_dir = Path(model_dir)
+        self.log_path = Path(log_path)
+        self.args = args or []
+        self.env = env or {}
+        self.startup_timeout_s = startup_timeout_s
+        self.served_name = served_name or self.model_dir.name
+        self.port = free_port()
+        super().__init__(f"http://127.0.0.1:{self.port}", secrets.token_hex(16))
+        self.process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
+                "--api-key", self.api_key, *self.args]
+
+    def start(self, abort=lambda: False) -> "VLLMServer":
+        """Start and wait until it answers; `abort()` returning True gives up (and stops it)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **self.env}, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+        deadline = time.time() + self.startup_timeout_s
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"vLLM exited with code {self.process.returncode} while starting "
+                                  f"{self.model_dir}; last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+            if self.ready():
+                return self
+            if abort():
+                self.stop()
+                raise ServerError(f"stopped while starting {self.model_dir} (the job was terminated)")
+            time.sleep(2)
+        self.stop()
+        raise ServerError(f"vLLM did not answer /health within {self.startup_timeout_s:.0f} s; "
+                          f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
     def stop(self, timeout_s: float = 30) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -1,6 +1,7 @@
 # Input functions and wildcard constraints shared by every stage.
 
 import json
+import sys
 
 BUILD_IDS = list(config["builds"])
 EVAL_IDS = list(config["evals"])
@@ -43,6 +44,8 @@ def report_inputs(wildcards):
     """What the report shows: every stage that exists so far."""
     inputs = {"upstream": "results/upstream/manifest.json"}
     inputs.update({f"build_{build}": f"results/builds/{build}/manifest.json" for build in BUILD_IDS})
+    inputs.update({f"memory_{build}": f"results/serve/{build}/memory.json" for build in BUILD_IDS})
+    inputs.update({f"prediction_{build}": f"results/serve/{build}/prediction.json" for build in BUILD_IDS})
     if UPSTREAM_SOURCE == "organism":
         inputs["card"] = "results/upstream/organism_card.json"
         inputs["train"] = f"{ORGANISM_TRAINED}/train.json"

@@ -1,13 +1,11 @@
 """The packed-expert kernels against reference decode + dense matmul, and the vLLM plugin's weight
 loading and its failures (no server here; serving is in the end-to-end test)."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moeshrink import mxfp4, twx
-from moeshrink_kernels.experts import TWXLayout, mxfp4_routed_experts, twx_routed_experts
+from moeshrink_kernels.experts import CPUKernel, TWXLayout, mxfp4_routed_experts, twx_routed_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 6, 2
 
@@ -45,6 +43,13 @@ def packed_twx_layer(weights13, weights2, bits):
     return (torch.cat(codes13), torch.stack(scales13), torch.cat(codes2), torch.stack(scales2), layout)
 
 
+def packed_and_decoded(weights13, weights2, bits=(3, 2, 3, 3, 2, 2)):
+    """A TWX2.5-like layer (mixed widths) packed, and each expert's reference decode in bf16."""
+    decoded13 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights13, bits)]
+    decoded2 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
+    return packed_twx_layer(weights13, weights2, list(bits)), decoded13, decoded2
+
+
 @pytest.mark.parametrize("source", ["random", "organism"])
 def test_twx_experts_match_reference_decode_and_matmul(source, published):
     generator = torch.Generator().manual_seed(0)
@@ -69,10 +74,7 @@ def test_twx_experts_match_reference_decode_and_matmul(source, published):
             pytest.skip(f"organism experts are {tuple(shape)}")
         weights13 = [torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in range(EXPERTS)]
         weights2 = [expert(e, "down_proj") for e in range(EXPERTS)]
-    bits = [3, 2, 3, 3, 2, 2]
-    codes13, scales13, codes2, scales2, layout = packed_twx_layer(weights13, weights2, bits)
-    decoded13 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights13, bits)]
-    decoded2 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
+    (codes13, scales13, codes2, scales2, layout), decoded13, decoded2 = packed_and_decoded(weights13, weights2)
     x = torch.randn(9, HIDDEN, generator=generator).to(torch.bfloat16)
     topk_weights, topk_ids = routing(9, generator)
     got = twx_routed_experts(x, topk_weights, topk_ids, codes13, scales13, codes2, scales2, layout.as_tensor())
@@ -104,6 +106,65 @@ def plugin():
     return vllm_plugin
 
 
+def moe_config(experts: int = EXPERTS, hidden: int = HIDDEN, intermediate: int = INTER):
+    """vLLM's own description of an unparallelised DeepSeek-V3 MoE layer, as the model builds it."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+
+    return FusedMoEConfig(num_experts=experts, experts_per_token=TOP_K, hidden_dim=hidden,
+                          intermediate_size=intermediate, num_local_experts=experts, num_logical_experts=experts,
+                          activation=MoEActivation.SILU, device="cpu", routing_method=RoutingMethodType.DeepSeekV3,
+                          moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16)
+
+
+def plain_vllm_moe(x, topk_weights, topk_ids, w13: list[torch.Tensor], w2: list[torch.Tensor], isa: str):
+    """What vLLM computes for the decoded twin served plainly: every expert in bf16, prepacked once,
+    through its CPU kernel."""
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    out = torch.empty_like(x)
+    cpu_fused_moe(out, x, cpu_prepack_moe_weight(torch.stack(w13).to(torch.bfloat16), isa),
+                  cpu_prepack_moe_weight(torch.stack(w2).to(torch.bfloat16), isa), None, None,
+                  topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous(), "silu", isa)
+    return out
+
+
+@pytest.mark.parametrize("budget_experts", [None, 2])
+def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, budget_experts, monkeypatch):
+    """Within one decode group the packed path gives vLLM's own bits for the decoded weights; with
+    a budget of two experts it decodes in groups and stays within bf16 rounding."""
+    kernel = plugin.cpu_kernel_for(moe_config())
+    assert kernel.isa and kernel.padded_intermediate == INTER
+    if budget_experts:
+        monkeypatch.setenv("MOESHRINK_DECODE_BUDGET_MIB", str(budget_experts * 3 * INTER * HIDDEN * 2 / 2**20))
+    generator = torch.Generator().manual_seed(4)
+    weights13 = [torch.randn(2 * INTER, HIDDEN, generator=generator) * 0.05 for _ in range(EXPERTS)]
+    weights2 = [torch.randn(HIDDEN, INTER, generator=generator) * 0.05 for _ in range(EXPERTS)]
+    (codes13, scales13, codes2, scales2, layout), decoded13, decoded2 = packed_and_decoded(weights13, weights2)
+    x = torch.randn(11, HIDDEN, generator=generator).to(torch.bfloat16)
+    topk_weights, topk_ids = routing(11, generator)
+    got = twx_routed_experts(x, topk_weights, topk_ids, codes13, scales13, codes2, scales2, layout.as_tensor(), kernel)
+    twin = plain_vllm_moe(x, topk_weights, topk_ids, decoded13, decoded2, kernel.isa)
+    if budget_experts is None:
+        assert torch.equal(got, twin)
+    else:
+        assert relative_error(got, twin.float()) <= 1e-2
+    assert relative_error(got, reference_moe(x, topk_weights, topk_ids, decoded13, decoded2)) <= 1e-2
+
+    pairs13 = [mxfp4.encode(w) for w in weights13]
+    pairs2 = [mxfp4.encode(w) for w in weights2]
+    got = mxfp4_routed_experts(x, topk_weights, topk_ids, torch.stack([p[0] for p in pairs13]),
+                               torch.stack([p[1] for p in pairs13]), torch.stack([p[0] for p in pairs2]),
+                               torch.stack([p[1] for p in pairs2]), kernel)
+    twin = plain_vllm_moe(x, topk_weights, topk_ids, [mxfp4.decode(*p) for p in pairs13],
+                          [mxfp4.decode(*p) for p in pairs2], kernel.isa)
+    if budget_experts is None:
+        assert torch.equal(got, twin)
+    else:
+        assert relative_error(got, twin.float()) <= 1e-2
+
+
 def quant_config(**changes) -> dict:
     config = {"quant_method": "twx", "format": "twx2.5", "format_version": 1, "group_size": 32,
               "scale_encoding": "ue5m3", "expert_bits": {"1": {str(e): b for e, b in enumerate([3, 2, 3, 3, 2, 2])}}}
@@ -120,7 +181,7 @@ def test_unknown_format_version_fails_at_load(plugin):
 def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin):
     twx_method, _ = plugin._methods()
     bits = [3, 2, 3, 3, 2, 2]
-    method = twx_method(SimpleNamespace(moe_parallel_config=None), bits, "model.layers.1.mlp.experts")
+    method = twx_method(moe_config(), bits, "model.layers.1.mlp.experts")
     layer = torch.nn.Module()
     method.create_weights(layer, EXPERTS, HIDDEN, INTER, torch.bfloat16, weight_loader=None,
                           unpadded_hidden_size=HIDDEN, global_num_experts=EXPERTS)
@@ -152,7 +213,7 @@ def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin):
 
 def test_mxfp4_loader_places_gate_up_and_down(plugin):
     _, mxfp4_method = plugin._methods()
-    method = mxfp4_method(SimpleNamespace(moe_parallel_config=None), "model.layers.1.mlp.experts")
+    method = mxfp4_method(moe_config(), "model.layers.1.mlp.experts")
     layer = torch.nn.Module()
     method.create_weights(layer, EXPERTS, HIDDEN, INTER, torch.bfloat16, weight_loader=None)
     generator = torch.Generator().manual_seed(3)

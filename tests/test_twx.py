@@ -99,3 +99,25 @@ def test_bad_shapes_and_widths_are_named():
         twx.encode(torch.zeros(4, 32), 4, name="w")
     with pytest.raises(twx.TWXFormatError, match=r"w: codes \(4, 10\) hold 2.5 bits"):
         twx.decode(torch.zeros(4, 10, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), name="w")
+
+
+def test_decoding_ignores_the_default_dtype_it_is_imported_under(tmp_path):
+    """vLLM sets torch's default dtype to bfloat16 while it builds a model, which is when the plugin
+    first imports the decoders: they must decode bit for bit as they do anywhere else."""
+    import subprocess
+    import sys
+
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * 0.05
+    codes, scales = twx.encode(weight, 3)
+    packed, mx_scales = mxfp4.encode(weight)
+    torch.save({"codes": codes, "scales": scales, "packed": packed, "mx_scales": mx_scales}, tmp_path / "in.pt")
+    script = ("import torch; torch.set_default_dtype(torch.bfloat16)\n"
+              "from moeshrink import mxfp4, twx\n"
+              f"d = torch.load({str(tmp_path / 'in.pt')!r})\n"
+              "torch.save({'twx': twx.decode(d['codes'], d['scales'], torch.bfloat16),"
+              " 'mxfp4': mxfp4.decode(d['packed'], d['mx_scales'], torch.float32)}, "
+              f"{str(tmp_path / 'out.pt')!r})\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    out = torch.load(tmp_path / "out.pt")
+    assert torch.equal(out["twx"], twx.decode(codes, scales, torch.bfloat16))
+    assert torch.equal(out["mxfp4"], mxfp4.decode(packed, mx_scales, torch.float32))

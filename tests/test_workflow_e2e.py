@@ -6,12 +6,15 @@ of an hour on two cores); MOESHRINK_E2E_WORKDIR reuses a finished run instead.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
 from moeshrink import mxfp4
@@ -167,11 +170,9 @@ def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
 @pytest.mark.parametrize("build", ["original", "twx2_5"])
 def test_packed_build_served_by_the_plugin_agrees_with_its_twin(workdir, tmp_path, build):
     """The plugin serves the build's packed experts (MXFP4 under DeepSeek-V3 routing; TWX at two
-    widths); vLLM serving the decoded bf16 twin plainly gives nearly the same next-token
-    distributions. The two compute the experts differently (the plugin in float32, vLLM's CPU MoE
-    kernel in bf16), and the organism's many near-ties let that flip a greedy choice now and then,
-    so greedy agreement is held to 98% here; bench/plugin_agreement.py measures it over 5,000+
-    positions against the 99.5% target."""
+    widths) through vLLM's own CPU MoE kernel on the decoded experts, so vLLM serving the decoded
+    bf16 twin plainly gives the same next-token distributions; bench/plugin_agreement.py measures it
+    over 5,000+ positions."""
     sys.path.insert(0, str(ROOT / "bench"))
     import plugin_agreement
 
@@ -189,6 +190,76 @@ def test_packed_build_served_by_the_plugin_agrees_with_its_twin(workdir, tmp_pat
     assert "quantization=" + ("moeshrink_mxfp4" if build == "original" else "twx") in (tmp_path / "packed.log").read_text()
     figures = agreement.compare(twin, packed)
     assert figures["positions"] == 998
-    assert figures["greedy_agreement"] >= 0.98 and figures["mean_kl"] <= 1e-3, figures
+    assert figures["greedy_agreement"] >= 0.995 and figures["mean_kl"] <= 1e-3, figures
     manifest = json.loads((packed_dir / "manifest.json").read_text())
     assert weights["routed_expert_bytes"] == manifest["bytes_by_class"]["routed_experts"]
+
+
+def test_every_build_served_once_with_its_memory_measured(workdir):
+    """The report's run served each build through its service job: memory.json per build, vLLM's own
+    token count equal to ours, weights/room/tokens within 2% of the planner's prediction, the raw
+    log kept, the endpoint file gone and no server left running."""
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    for build in config["builds"]:
+        serve_dir = workdir / "results/serve" / build
+        memory = json.loads((serve_dir / "memory.json").read_text())
+        assert memory["build"] == build and memory["platform"] == "cpu" and memory["card_emulated"]
+        assert all(memory["checks"].values()), (build, memory["checks"])
+        assert memory["kv_cache_tokens"] == memory["ours"]["kv_cache_tokens"] > 0
+        assert memory["sources"]["weights_gib"].startswith("bytes of the parameters and buffers vLLM loaded")
+        assert memory["provenance"]["config"]["serve"] == config["serve"]
+        log = (serve_dir / "server.log").read_text()
+        assert "moeshrink weights:" in log and "KV cache size" in log  # vLLM's raw log
+        assert not (serve_dir / "endpoint.json").exists() and not (serve_dir / "server.pid.json").exists()
+    left = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+                cwd = os.readlink(proc / "cwd")
+            except OSError:
+                continue
+            if "vllm.entrypoints" in cmdline and cwd == str(workdir):
+                left.append(cmdline.replace("\0", " "))
+    assert not left, left
+    html = (workdir / "report/r013.html").read_text()
+    assert "Memory per card" in html and f"{memory['kv_cache_tokens']:,}" in html
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_workflow_leaves_no_server(workdir, tmp_path):
+    """SIGKILL the process that started a serve job (as Snakemake is when a run is killed): the
+    supervisor sees it gone and stops its server's whole process group."""
+    serve = yaml.safe_load((workdir / "config.yaml").read_text())["serve"]
+    endpoint = tmp_path / "endpoint.json"
+    command = [sys.executable, "-m", "moeshrink", "serve", "--build", "pruned75", "--model-dir",
+               str(workdir / "results/builds/pruned75"), "--serve-json", json.dumps(serve), "--prediction",
+               str(workdir / "results/serve/pruned75/prediction.json"), "--endpoint", str(endpoint),
+               "--log", str(tmp_path / "server.log")]
+    # a stand-in for Snakemake: starts the serve job as its child, then waits forever
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               f"subprocess.Popen({command!r}); time.sleep(3600)"], start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline and not (endpoint.exists() and '"ready"' in endpoint.read_text()):
+            time.sleep(2)
+        record = json.loads(endpoint.read_text())
+        assert record["state"] == "ready", record
+        server_pid, supervisor_pid = record["server_pid"], record["supervisor_pid"]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline and (running(server_pid) or running(supervisor_pid)):
+            time.sleep(1)
+        assert not running(server_pid), "the server outlived the killed workflow"
+        assert not running(supervisor_pid), "the serve job outlived the killed workflow"
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)

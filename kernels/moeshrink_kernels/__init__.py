@@ -1,6 +1,7 @@
 """moeshrink's low-bit expert kernels and its vLLM plugin.
 
 `experts` computes a MoE layer's routed experts from packed weights (TWX or MXFP4), decoding one
-expert at a time with the reference decoders; `vllm_plugin` registers the quantization methods
-that let vLLM load and serve such checkpoints. Importing this package does not import vLLM.
+expert at a time with the reference decoders; `triton_experts` does the same on CUDA GPUs with a
+Triton kernel that decodes inside the matmul; `vllm_plugin` registers the quantization methods
+that let vLLM load and serve such checkpoints. Importing this package imports neither vLLM nor triton.
 """

@@ -1,12 +1,17 @@
-"""Routed experts computed from packed weights, one expert at a time (CPU, or any torch device).
+"""Routed experts computed from packed weights (CPU, or any torch device).
 
-Never materialises more than one expert's decoded weights: for each expert the tokens chose,
-decode its gate/up and down projections, run SiLU-gated MLP on those tokens, weight by the router
-and accumulate. Numbers follow the reference decoders in `moeshrink.twx` and `moeshrink.mxfp4`.
+Two paths, both decoding only the experts the tokens chose, never a whole copy of all experts:
+- `grouped_kernel_experts` (vLLM on CPU): the chosen experts are decoded to the activations' dtype
+  in groups that fit a byte budget and handed to vLLM's own CPU MoE kernel (`cpu_fused_moe`), so a
+  packed build computes exactly what its decoded twin computes when served plainly;
+- `routed_experts` (anywhere torch runs): one expert at a time, float32 matmuls.
+Numbers follow the reference decoders in `moeshrink.twx` and `moeshrink.mxfp4`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +51,74 @@ def twx_expert(codes_flat: torch.Tensor, offset: int, bits: int, scales: torch.T
     return twx.decode(codes, scales, dtype)
 
 
+Decoder = Callable[[int], torch.Tensor]
+DECODE_BUDGET_ENV = "MOESHRINK_DECODE_BUDGET_MIB"
+DEFAULT_DECODE_BUDGET_MIB = 1024
+
+
+@dataclass(frozen=True)
+class CPUKernel:
+    """vLLM's CPU grouped-GEMM MoE kernel as vLLM would pick it for the same unquantized layer: its
+    instruction set and the intermediate size it pads experts to. `isa == ""`: no such kernel."""
+    isa: str = ""
+    padded_intermediate: int = 0
+
+
+def decode_budget_bytes() -> int:
+    return int(float(os.environ.get(DECODE_BUDGET_ENV, DEFAULT_DECODE_BUDGET_MIB)) * 2**20)
+
+
+def _decoded_group(experts: list[int], decode_w13: Decoder, decode_w2: Decoder, hidden: int, padded: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 2P, H] (gate rows at 0, up rows at P) and [n, H, P], zero beyond each expert's I."""
+    w13 = torch.zeros(len(experts), 2 * padded, hidden, dtype=dtype)
+    w2 = torch.zeros(len(experts), hidden, padded, dtype=dtype)
+    for slot, expert in enumerate(experts):
+        gate_up = decode_w13(expert)
+        intermediate = gate_up.shape[0] // 2
+        w13[slot, :intermediate] = gate_up[:intermediate]
+        w13[slot, padded:padded + intermediate] = gate_up[intermediate:]
+        w2[slot, :, :intermediate] = decode_w2(expert)
+    return w13, w2
+
+
+def grouped_kernel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           decode_w13: Decoder, decode_w2: Decoder, kernel: CPUKernel,
+                           budget_bytes: int | None = None) -> torch.Tensor:
+    """The chosen experts, decoded a group at a time (each group's decoded bytes within the budget),
+    through vLLM's `cpu_fused_moe`. One group (every organism batch) gives the kernel's own bits;
+    several groups are summed in float32."""
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    hidden = x.shape[-1]
+    tokens = x.reshape(-1, hidden)
+    ids = topk_ids.reshape(tokens.shape[0], -1).to(torch.int64)
+    weights = topk_weights.reshape(tokens.shape[0], -1).to(torch.float32)
+    active = [e for e in torch.unique(ids).tolist() if e >= 0]
+    per_expert = 3 * kernel.padded_intermediate * hidden * x.element_size()
+    group_size = max(1, (budget_bytes or decode_budget_bytes()) // per_expert)
+    groups = [active[i:i + group_size] for i in range(0, len(active), group_size)]
+    total = torch.zeros(tokens.shape, dtype=torch.float32) if len(groups) > 1 else None
+    out = torch.zeros_like(tokens)
+    for experts in groups:
+        local = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
+        local[experts] = torch.arange(len(experts))
+        mapped = local[ids.clamp(min=0)].masked_fill(ids < 0, -1)
+        inside = mapped >= 0
+        rows = torch.nonzero(inside.any(dim=1)).squeeze(1)
+        w13, w2 = _decoded_group(experts, decode_w13, decode_w2, hidden, kernel.padded_intermediate, x.dtype)
+        part = torch.empty((rows.numel(), hidden), dtype=x.dtype)
+        cpu_fused_moe(part, tokens[rows].contiguous(), cpu_prepack_moe_weight(w13, kernel.isa),
+                      cpu_prepack_moe_weight(w2, kernel.isa), None, None,
+                      torch.where(inside[rows], weights[rows], 0.0).contiguous(),
+                      mapped[rows].clamp(min=0).to(torch.int32).contiguous(), "silu", kernel.isa)
+        if total is None:
+            out[rows] = part
+        else:
+            total[rows] += part.to(torch.float32)
+    return (out if total is None else total.to(x.dtype)).reshape(x.shape)
+
+
 def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, decode_w13, decode_w2,
                    compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts; decode_w13(e)
@@ -67,9 +140,17 @@ def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     return out.to(x.dtype).reshape(x.shape)
 
 
+def _compute(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, decode_w13: Decoder,
+             decode_w2: Decoder, kernel: CPUKernel) -> torch.Tensor:
+    if kernel.isa:
+        return grouped_kernel_experts(x, topk_weights, topk_ids, decode_w13, decode_w2, kernel)
+    return routed_experts(x, topk_weights, topk_ids, decode_w13, decode_w2)
+
+
 def twx_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        w13_codes: torch.Tensor, w13_scales: torch.Tensor, w2_codes: torch.Tensor,
-                       w2_scales: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+                       w2_scales: torch.Tensor, layout: torch.Tensor, kernel: CPUKernel = CPUKernel()
+                       ) -> torch.Tensor:
     table = layout.tolist()
 
     # decoded to bf16, as a bf16 model holds its weights (TWX values times UE5M3 scales need rounding)
@@ -79,16 +160,16 @@ def twx_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     def w2(e: int) -> torch.Tensor:
         return twx_expert(w2_codes, table[e][2], table[e][0], w2_scales[e], torch.bfloat16)
 
-    return routed_experts(x, topk_weights, topk_ids, w13, w2)
+    return _compute(x, topk_weights, topk_ids, w13, w2, kernel)
 
 
 def mxfp4_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          w13_packed: torch.Tensor, w13_scales: torch.Tensor, w2_packed: torch.Tensor,
-                         w2_scales: torch.Tensor) -> torch.Tensor:
+                         w2_scales: torch.Tensor, kernel: CPUKernel = CPUKernel()) -> torch.Tensor:
     def w13(e: int) -> torch.Tensor:
         return mxfp4.decode(w13_packed[e], w13_scales[e], torch.float32)
 
     def w2(e: int) -> torch.Tensor:
         return mxfp4.decode(w2_packed[e], w2_scales[e], torch.float32)
 
-    return routed_experts(x, topk_weights, topk_ids, w13, w2)
+    return _compute(x, topk_weights, topk_ids, w13, w2, kernel)

@@ -5,9 +5,10 @@
   grouped sigmoid routing vLLM's own CPU MXFP4 backend refuses; it claims such checkpoints through
   `override_quantization_method`, so they serve with no extra flag.
 
-Routed experts stay packed in memory and are decoded one expert at a time inside a custom op
-(torch.compile sees one opaque call); routing, the routed scaling factor and shared experts stay
-vLLM's. Everything else in the model is unquantized. Registered through the
+Routed experts stay packed in memory and are decoded inside a custom op (torch.compile sees one
+opaque call): on the CPU the chosen experts are decoded in groups within a byte budget and run
+through vLLM's own CPU MoE kernel; on CUDA a Triton kernel decodes inside the matmul. Routing,
+the routed scaling factor and shared experts stay vLLM's. Everything else in the model is unquantized. Registered through the
 `vllm.general_plugins` entry point; registration is idempotent (vLLM calls it in every process).
 """
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
+from moeshrink.serverlog import LOAD_LINE as WEIGHTS_LINE  # followed by a JSON object; the serve stage reads it
+
 TWX_FORMAT_VERSIONS = (1,)
 LOAD_FORMAT = "moeshrink"
-WEIGHTS_LINE = "moeshrink weights:"  # followed by a JSON object; what the serve stage reads
 _registered = False
 _ops_library = None
 
@@ -46,27 +48,39 @@ def register() -> None:
 # ------------------------------------------------------------------------------------ custom ops
 def _twx_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
             w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
-            layout: torch.Tensor) -> torch.Tensor:
-    from moeshrink_kernels.experts import twx_routed_experts
+            layout: torch.Tensor, isa: str, padded_intermediate: int) -> torch.Tensor:
+    from moeshrink_kernels.experts import CPUKernel, twx_routed_experts
 
-    return twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layout)
+    if x.is_cuda:
+        from moeshrink_kernels.triton_experts import triton_twx_routed_experts
+
+        return triton_twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layout)
+    return twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layout,
+                              CPUKernel(isa, padded_intermediate))
 
 
 def _mxfp4_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_packed: torch.Tensor,
-              w13_scales: torch.Tensor, w2_packed: torch.Tensor, w2_scales: torch.Tensor) -> torch.Tensor:
-    from moeshrink_kernels.experts import mxfp4_routed_experts
+              w13_scales: torch.Tensor, w2_packed: torch.Tensor, w2_scales: torch.Tensor, isa: str,
+              padded_intermediate: int) -> torch.Tensor:
+    from moeshrink_kernels.experts import CPUKernel, mxfp4_routed_experts
 
-    return mxfp4_routed_experts(x, topk_weights, topk_ids, w13_packed, w13_scales, w2_packed, w2_scales)
+    if x.is_cuda:
+        from moeshrink_kernels.triton_experts import triton_mxfp4_routed_experts
+
+        return triton_mxfp4_routed_experts(x, topk_weights, topk_ids, w13_packed, w13_scales, w2_packed, w2_scales)
+    return mxfp4_routed_experts(x, topk_weights, topk_ids, w13_packed, w13_scales, w2_packed, w2_scales,
+                                CPUKernel(isa, padded_intermediate))
 
 
 def _twx_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
               w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
-              layout: torch.Tensor) -> torch.Tensor:
+              layout: torch.Tensor, isa: str, padded_intermediate: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 def _mxfp4_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_packed: torch.Tensor,
-                w13_scales: torch.Tensor, w2_packed: torch.Tensor, w2_scales: torch.Tensor) -> torch.Tensor:
+                w13_scales: torch.Tensor, w2_packed: torch.Tensor, w2_scales: torch.Tensor, isa: str,
+                padded_intermediate: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -98,6 +112,35 @@ def _check_single_partition(moe, what: str) -> None:
             raise PackedExpertsError(f"{what}: serving with {attribute} > 1 is not supported yet (TP/EP/DP = 1)")
 
 
+def cpu_kernel_for(moe):
+    """The grouped-GEMM kernel vLLM's unquantized CPU backend would use for this layer (its own order
+    of preference), or none (another platform, or a shape the kernels refuse)."""
+    from moeshrink_kernels.experts import CPUKernel
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return CPUKernel()
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEActivationFormat
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend, backend_to_kernel_cls
+
+    reasons = []
+    for kernel_class in backend_to_kernel_cls(UnquantizedMoeBackend.CPU):
+        supported, reason = kernel_class.is_supported_config(kernel_class, moe, None, None,
+                                                             FusedMoEActivationFormat.Standard)
+        if supported:
+            return CPUKernel(kernel_class.isa, kernel_class._padded_intermediate_size(moe))
+        reasons.append(f"{kernel_class.__name__}: {reason}")
+    _logger().warning("moeshrink: no vLLM CPU MoE kernel takes this layer (%s); experts run in float32 torch",
+                      "; ".join(reasons))
+    return CPUKernel()
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.moeshrink")
+
+
 def _copy_checked(target: torch.Tensor, source: torch.Tensor, weight_name: str) -> None:
     if tuple(target.shape) != tuple(source.shape) or source.dtype != target.dtype:
         raise PackedExpertsError(f"{weight_name}: expected {target.dtype} {tuple(target.shape)}, "
@@ -120,6 +163,14 @@ def _methods():
         def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                            params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
             _check_single_partition(self.moe, self.layer_name)
+            activation = getattr(self.moe.activation, "value", self.moe.activation)
+            if activation != "silu":
+                raise PackedExpertsError(f"{self.layer_name}: packed experts compute SiLU-gated MLPs, "
+                                         f"the model's experts use {activation!r}")
+            self.kernel = cpu_kernel_for(self.moe)
+            _logger().info_once("moeshrink: routed experts of %s computed by %s", type(self).__name__,
+                                f"vLLM's CPU MoE kernel (isa {self.kernel.isa})" if self.kernel.isa else
+                                "Triton (CUDA)" if not self.kernel.isa and torch.cuda.is_available() else "torch")
             self.hidden, self.intermediate = hidden_size, intermediate_size_per_partition
             for name, data in self.parameters(layer, num_experts).items():
                 param = torch.nn.Parameter(data, requires_grad=False)
@@ -180,7 +231,8 @@ def _methods():
         def run(self, layer, x, topk_weights, topk_ids):
             return torch.ops.moeshrink.twx_experts(x, topk_weights, topk_ids, layer.w13_twx_codes,
                                                    layer.w13_twx_scales, layer.w2_twx_codes, layer.w2_twx_scales,
-                                                   layer.twx_layout)
+                                                   layer.twx_layout, self.kernel.isa,
+                                                   self.kernel.padded_intermediate)
 
     class MXFP4ExpertsMethod(PackedExpertsMethod):
         """Routed experts in vLLM's per-expert MXFP4 layout: w13/w2 `_weight` uint8 (two E2M1 codes per
@@ -200,7 +252,8 @@ def _methods():
 
         def run(self, layer, x, topk_weights, topk_ids):
             return torch.ops.moeshrink.mxfp4_experts(x, topk_weights, topk_ids, layer.w13_weight,
-                                                     layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale)
+                                                     layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale,
+                                                     self.kernel.isa, self.kernel.padded_intermediate)
 
     return TWXExpertsMethod, MXFP4ExpertsMethod
 

@@ -1,0 +1,65 @@
+# Stage 3: one vLLM server per build per run. `serve` is a Snakemake service job: Snakemake runs
+# it together with the jobs that consume its endpoint (one group per build) and terminates it
+# (SIGTERM) once they have all finished; it stops its server's whole process group. Evals of one
+# build share its server; builds never share one.
+
+
+rule serve_prediction:
+    input:
+        manifest="results/builds/{build}/manifest.json",
+    output:
+        prediction="results/serve/{build}/prediction.json",
+    params:
+        serve=config["serve"],
+    log:
+        "logs/serve/{build}/prediction.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    script:
+        "../scripts/serve_prediction.py"
+
+
+rule serve:
+    input:
+        manifest="results/builds/{build}/manifest.json",
+        prediction="results/serve/{build}/prediction.json",
+    output:
+        endpoint=service("results/serve/{build}/endpoint.json"),
+    params:
+        serve=lambda wildcards: json.dumps(config["serve"]),
+        python=sys.executable,
+    log:
+        "results/serve/{build}/server.log",
+    threads: 1
+    resources:
+        mem_mb=lambda wildcards, input: 4000 + 2 * input.size_mb,
+        runtime=lambda wildcards: 60 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
+        gpus=config["serve"]["tensor_parallel_size"],
+    shell:
+        # The endpoint must exist within Snakemake's latency wait: say `starting` before Python loads.
+        # exec: the supervisor itself (same pid) receives Snakemake's SIGTERM.
+        "printf '{{\"state\": \"starting\", \"supervisor_pid\": %d}}' $$ > {output.endpoint} && "
+        "exec {params.python} -m moeshrink serve --build {wildcards.build} --model-dir results/builds/{wildcards.build} "
+        "--serve-json {params.serve:q} --prediction {input.prediction} --endpoint {output.endpoint} --log {log}"
+
+
+rule serve_memory:
+    input:
+        manifest="results/builds/{build}/manifest.json",
+        prediction="results/serve/{build}/prediction.json",
+        endpoint="results/serve/{build}/endpoint.json",
+    output:
+        memory="results/serve/{build}/memory.json",
+    params:
+        serve=config["serve"],
+    log:
+        "logs/serve/{build}/memory.log",
+    # runs beside its server (same service group) and only waits on HTTP: it takes no core of its own,
+    # so a group fits in one core's worth of scheduling (--cores 1, dry runs)
+    threads: 0
+    resources:
+        mem_mb=1000,
+        runtime=lambda wildcards: 10 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
+    script:
+        "../scripts/serve_memory.py"

@@ -1,0 +1,7 @@
+from pathlib import Path
+
+from moeshrink import smk, stages
+
+smk.run(snakemake, lambda: stages.serve_prediction(
+    snakemake.wildcards.build, Path(snakemake.input.manifest).parent, snakemake.params.serve,
+    Path(snakemake.output.prediction)))
