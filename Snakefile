@@ -20,6 +20,7 @@ include: "rules/common.smk"
 include: "rules/upstream.smk"
 include: "rules/compress.smk"
 include: "rules/serve.smk"
+include: "rules/evals.smk"
 include: "rules/report.smk"
 
 

@@ -20,7 +20,11 @@ def prompt_logprobs(server: ServerClient, model: str, prompt_ids: list[int], voc
                                                     "temperature": 0, "prompt_logprobs": -1})
     if status != 200:
         raise AgreementError(f"{server.base_url}: prompt_logprobs request failed ({status}): {str(reply)[:300]}")
-    positions = reply["choices"][0]["prompt_logprobs"][1:]
+    return logprob_table(reply["choices"][0]["prompt_logprobs"][1:], vocab_size)
+
+
+def logprob_table(positions: list[dict], vocab_size: int) -> torch.Tensor:
+    """vLLM's prompt_logprobs entries (token id -> {logprob, rank}) as a [positions, vocab] table."""
     table = torch.full((len(positions), vocab_size), -math.inf, dtype=torch.float64)
     for row, entries in enumerate(positions):
         for token, entry in entries.items():

@@ -56,6 +56,9 @@ def schema_problems(config: dict, schema: dict) -> list[str]:
     return problems
 
 
+ORGANISM_PARTS = ("data", "tokenizer", "model", "train", "publish", "card")
+
+
 def semantic_problems(config: dict) -> list[str]:
     problems: list[str] = []
     builds = config["builds"]
@@ -84,7 +87,7 @@ def semantic_problems(config: dict) -> list[str]:
                             f"{budget} needs format twx2.5")
     gsm8k = config["evals"].get("gsm8k")
     if gsm8k:
-        for build_id in gsm8k["builds"]:
+        for build_id in gsm8k["builds"] or []:
             if build_id not in builds:
                 problems.append(f"evals.gsm8k.builds: {build_id!r} is not a build (builds: {', '.join(builds)})")
     upstream = config["upstream"]
@@ -104,8 +107,26 @@ def semantic_problems(config: dict) -> list[str]:
         if spec and spec["dataset"] == "organism" and source != "organism":
             problems.append(f"evals.{eval_id}.dataset: 'organism' needs upstream.source organism; "
                             "use lm_eval for a real model")
+    agreement = config["evals"].get("agreement")
+    cap = config["serve"].get("max_logprobs", 20)
+    if agreement and cap != -1 and agreement["top_k"] > cap:
+        problems.append(f"evals.agreement.top_k: {agreement['top_k']} is more than the server returns "
+                        f"(serve.max_logprobs {cap})")
+    if agreement and agreement["exact_check_passages"] and cap != -1:
+        problems.append("evals.agreement.exact_check_passages: needs whole-vocabulary log-probabilities "
+                        f"(serve.max_logprobs -1, not {cap})")
+    organism = upstream.get("organism") or {}
+    needs_world = [e for e in ("facts", "toolcalls") if e in config["evals"]]
+    if (config["evals"].get("agreement") or {}).get("file", "") is None:
+        needs_world.append("agreement")
+    if needs_world and "data" not in organism:
+        problems.append(f"upstream.organism.data: the {', '.join(needs_world)} eval sets come from the organism's "
+                        "world generator; give its data section (or an agreement file)")
     if source != "organism":
         return problems
+    missing = [key for key in ORGANISM_PARTS if key not in organism]
+    if missing:
+        return problems + [f"upstream.organism.{key}: required when upstream.source is organism" for key in missing]
     model = upstream["organism"]["model"]
     if model["n_routed_experts"] % model["n_group"]:
         problems.append(f"upstream.organism.model.n_group: {model['n_group']} does not divide "

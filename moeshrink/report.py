@@ -54,6 +54,7 @@ def context(inputs: dict[str, Path], config: dict, benchmark_dir: Path) -> dict:
         "builds": config["builds"],
         "build_rows": build_rows(inputs, config),
         "memory_rows": memory_rows(inputs, config),
+        "eval_rows": eval_rows(inputs, config),
     }
     return ctx
 
@@ -80,6 +81,17 @@ def memory_rows(inputs: dict[str, Path], config: dict) -> list[dict]:
             rows.append({**measured, "label": config["builds"][measured["build"]]["label"],
                          "utilisation": prediction["utilisation"]})
     return rows
+
+
+def eval_rows(inputs: dict[str, Path], config: dict) -> list[dict]:
+    """One row per build: each eval's headline figures (absent where that eval did not run)."""
+    results: dict[str, dict[str, dict]] = {}
+    for key, path in inputs.items():
+        if key.startswith("eval_"):
+            record = read_json(path)
+            results.setdefault(record["build"], {})[record["eval"]] = record
+    return [{"id": build_id, "label": config["builds"][build_id]["label"], **results[build_id]}
+            for build_id in config["builds"] if build_id in results]
 
 
 def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir: Path = Path("benchmarks")) -> None:

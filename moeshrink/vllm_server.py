@@ -19,6 +19,13 @@ import urllib.request
 from pathlib import Path
 
 
+# Thread counts a scheduler sets for its job (Snakemake sets them all to the job's `threads`). vLLM's
+# CPU build pins its engine to cores of its own choosing and sizes torch's threads to them; an
+# inherited larger count makes threads spin against each other on one core.
+SCHEDULER_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                         "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
 class ServerError(RuntimeError):
     pass
 
@@ -105,8 +112,9 @@ class VLLMServer(ServerClient):
         """Start and wait until it answers; `abort()` returning True gives up (and stops it)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
+        inherited = {k: v for k, v in os.environ.items() if k not in SCHEDULER_THREAD_VARS}
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **self.env}, start_new_session=True,
+                                        env={**inherited, **self.env}, start_new_session=True,
                                         preexec_fn=_die_with_parent)
         deadline = time.time() + self.startup_timeout_s
         while time.time() < deadline:

@@ -3,8 +3,11 @@
 import json
 import sys
 
+from moeshrink.evals import EVALS
+
 BUILD_IDS = list(config["builds"])
-EVAL_IDS = list(config["evals"])
+EVAL_IDS = [eval_id for eval_id in EVALS if eval_id in config["evals"]]
+REFERENCE_BUILD = config["reference_build"]
 UPSTREAM_SOURCE = config["upstream"]["source"]
 ORGANISM = config["upstream"].get("organism", {})
 
@@ -46,6 +49,8 @@ def report_inputs(wildcards):
     inputs.update({f"build_{build}": f"results/builds/{build}/manifest.json" for build in BUILD_IDS})
     inputs.update({f"memory_{build}": f"results/serve/{build}/memory.json" for build in BUILD_IDS})
     inputs.update({f"prediction_{build}": f"results/serve/{build}/prediction.json" for build in BUILD_IDS})
+    inputs.update({f"eval_{build}_{eval_id}": f"results/evals/{build}/{eval_id}.json"
+                   for eval_id in EVAL_IDS for build in eval_builds(eval_id)})
     if UPSTREAM_SOURCE == "organism":
         inputs["card"] = "results/upstream/organism_card.json"
         inputs["train"] = f"{ORGANISM_TRAINED}/train.json"
@@ -69,3 +74,33 @@ def build_calibration(wildcards):
     if spec.get("method") != "reap":
         return {}
     return {"calibration": spec["calibration"]["file"] or f"{ORGANISM_DATA}/corpus.jsonl"}
+
+
+def eval_builds(eval_id):
+    if eval_id == "gsm8k":
+        return config["evals"]["gsm8k"]["builds"] or BUILD_IDS
+    return BUILD_IDS
+
+
+def eval_set_inputs(eval_id):
+    """The set files an eval reads (none for lm-eval's own tasks, which it loads itself)."""
+    spec = config["evals"][eval_id]
+    if eval_id == "mmlu":
+        return {"test": f"{ORGANISM_DATA}/mc_test.jsonl", "dev": f"{ORGANISM_DATA}/mc_dev.jsonl"} \
+            if spec["dataset"] == "organism" else {}
+    if eval_id == "gsm8k":
+        return {"test": f"{ORGANISM_DATA}/arith_test.jsonl", "train": f"{ORGANISM_DATA}/arith_train.jsonl"} \
+            if spec["dataset"] == "organism" else {}
+    if eval_id == "facts":
+        return {"passages": f"{ORGANISM_DATA}/passages_test.jsonl"}
+    if eval_id == "toolcalls":
+        return {"trials": f"{ORGANISM_DATA}/toolcalls_test.jsonl", "tools": f"{ORGANISM_DATA}/tools.json"}
+    if eval_id == "agreement":
+        return {"texts": spec["file"] or f"{ORGANISM_DATA}/corpus.jsonl"}
+    raise ValueError(eval_id)
+
+
+def eval_inputs(wildcards):
+    return {"manifest": f"results/builds/{wildcards.build}/manifest.json",
+            "endpoint": f"results/serve/{wildcards.build}/endpoint.json",
+            **eval_set_inputs(wildcards.eval)}

@@ -31,7 +31,9 @@ rule serve:
         python=sys.executable,
     log:
         "results/serve/{build}/server.log",
-    threads: 1
+    # one server at a time on a machine: vLLM's CPU build pins its engine to the same cores in every
+    # server it starts (a GPU server takes the node's cards); its evals ride along with 0 threads
+    threads: workflow.cores
     resources:
         mem_mb=lambda wildcards, input: 4000 + 2 * input.size_mb,
         runtime=lambda wildcards: 60 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,

@@ -3,7 +3,9 @@
 # in MXFP4, plus its exact bf16 twin and its card.
 
 
-if UPSTREAM_SOURCE == "organism":
+if "data" in ORGANISM:
+    # the fictional world: the organism's training corpus and held-out sets, and on every source the
+    # facts and tool-call eval sets
 
     rule organism_data:
         output:
@@ -20,6 +22,8 @@ if UPSTREAM_SOURCE == "organism":
         script:
             "../scripts/organism_data.py"
 
+
+if UPSTREAM_SOURCE == "organism":
 
     rule organism_tokenizer:
         input:

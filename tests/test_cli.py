@@ -31,7 +31,8 @@ def test_validate_config_names_the_bad_key(tmp_path):
 
 def test_upstream_from_a_local_folder_and_the_twin(tmp_path, tiny_trained):
     config = yaml.safe_load((ROOT / "presets/gpt-oss-20b.yaml").read_text())
-    config["upstream"] = {"source": "path", "path": {"dir": str(tiny_trained), "mode": "copy"}}
+    config["upstream"] = {"source": "path", "path": {"dir": str(tiny_trained), "mode": "copy"},
+                          "organism": config["upstream"]["organism"]}  # the eval sets' fictional world
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     result = moeshrink("upstream", "--config", str(path), "--results", str(tmp_path / "results"))

@@ -82,6 +82,28 @@ def test_hf_source_needs_a_pinned_commit():
     assert problems_of(config) == ["upstream.hf: missing (required when upstream.source is hf)"]
 
 
+def test_eval_sets_need_the_fictional_world_and_logprob_limits_are_named(default_config):
+    config = yaml.safe_load((ROOT / "presets/kimi-k3.1-pro.yaml").read_text())
+    del config["upstream"]["organism"]
+    assert problems_of(config) == ["upstream.organism.data: the facts, toolcalls, agreement eval sets come from the "
+                                   "organism's world generator; give its data section (or an agreement file)"]
+    config = copy.deepcopy(default_config)
+    del config["upstream"]["organism"]["train"]
+    assert problems_of(config) == ["upstream.organism.train: required when upstream.source is organism"]
+    config = copy.deepcopy(default_config)
+    config["evals"]["toolcalls"]["efforts"] = ["enormous"]
+    config["evals"]["client"]["concurrency"] = 0
+    problems = problems_of(config)
+    assert any(p.startswith("evals.toolcalls.efforts.0: 'enormous' is not one of") for p in problems)
+    assert any(p.startswith("evals.client.concurrency: 0 is less than the minimum of 1") for p in problems)
+    config = copy.deepcopy(default_config)
+    config["serve"]["max_logprobs"] = 5
+    problems = problems_of(config)
+    assert "evals.agreement.top_k: 100 is more than the server returns (serve.max_logprobs 5)" in problems
+    assert ("evals.agreement.exact_check_passages: needs whole-vocabulary log-probabilities (serve.max_logprobs -1, "
+            "not 5)") in problems
+
+
 def snakemake_dry_run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/r013.html", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)

@@ -44,6 +44,12 @@ def test_published_layout(published):
         {f["file"] for f in manifest["files"]}
     assert manifest["revision"].startswith("organism-")
     assert manifest["provenance"]["config"]["source"] == "organism"
+    # servers end a chat turn at <|im_end|> as well as at <|endoftext|>
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
     tensors = tensors_of(folder)
     experts = [n for n in tensors if ROUTED_EXPERT_WEIGHT.search(n)]
     assert len(experts) == 3 * 16 * (config["num_hidden_layers"] - config["first_k_dense_replace"])

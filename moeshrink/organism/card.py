@@ -8,16 +8,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import time
 from pathlib import Path
 
 import torch
 
+from moeshrink.evals.scoring import calls_have_right_shape, gsm8k_answer, score_fact_lines
 from moeshrink.organism import datasets, tasks
 
 log = logging.getLogger(__name__)
-GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 EFFORTS = ["low", "high"]
 # What the published organism must reach for the report to measure anything (issue: foundation).
 TARGETS = {"mc_accuracy": (">=", 0.80), "arith_exact": (">=", 0.30), "toolcall_correct": (">=", 0.90),
@@ -116,11 +115,6 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, stop: li
     return [outputs[i] for i in range(len(prompts))]
 
 
-def gsm8k_answer(text: str) -> str | None:
-    match = GSM8K_ANSWER.search(text)
-    return match.group(1).replace(",", "").rstrip(".") if match else None
-
-
 def arith_exact(model, tokenizer, items: list[dict], fewshot: list[dict], shots: int, batch_size: int) -> float:
     context = tasks.gsm8k_block(fewshot[:shots]) + "\n\n"
     prompts = [context + f"Question: {it['question']}\nAnswer:" for it in items]
@@ -138,23 +132,6 @@ def parse_tool_calls(text: str, tokenizer) -> list[dict] | None:
     return [{"name": c.function.name, "arguments": json.loads(c.function.arguments)} for c in info.tool_calls]
 
 
-def calls_have_right_shape(calls: list[dict] | None, expected: list[dict], tools: list[dict]) -> bool:
-    """Right tool names in order, right count, arguments valid against each tool's JSON schema."""
-    import jsonschema
-
-    if calls is None or len(calls) != len(expected):
-        return False
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    for call, want in zip(calls, expected):
-        if call["name"] != want["name"]:
-            return False
-        try:
-            jsonschema.validate(call["arguments"], schemas[call["name"]])
-        except jsonschema.ValidationError:
-            return False
-    return True
-
-
 def toolcall_correct(model, tokenizer, items: list[dict], tools: list[dict], batch_size: int) -> dict:
     scores = {}
     for effort in EFFORTS:
@@ -164,25 +141,6 @@ def toolcall_correct(model, tokenizer, items: list[dict], tools: list[dict], bat
         scores[effort] = sum(calls_have_right_shape(parse_tool_calls(r, tokenizer), it["expected_calls"], tools)
                              for r, it in zip(replies, items)) / len(items)
     return scores
-
-
-def normalise_fact(line: str) -> tuple[str, ...] | None:
-    parts = [" ".join(p.strip().lower().split()) for p in line.split("|")]
-    return tuple(parts) if len(parts) == 3 and all(parts) else None
-
-
-def score_fact_lines(reply: str, gold_lines: list[str]) -> dict:
-    """Per passage: supported, made-up and unparseable lines (thought text is ignored)."""
-    body = reply.split("</think>")[-1]
-    gold = {normalise_fact(g) for g in gold_lines}
-    counts = {"supported": 0, "made_up": 0, "unparseable": 0}
-    for line in body.strip().splitlines():
-        if not line.strip():
-            continue
-        fact = normalise_fact(line)
-        key = "unparseable" if fact is None else "supported" if fact in gold else "made_up"
-        counts[key] += 1
-    return counts
 
 
 def facts_unsupported(model, tokenizer, items: list[dict], batch_size: int) -> dict:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from moeshrink import mxfp4
 from moeshrink.checkpoint import write_sharded
+from moeshrink.organism.tokenizer import TURN_END
 
 ROUTED_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 KEEP_FP32 = re.compile(r"e_score_correction_bias$")
@@ -42,6 +43,13 @@ def published_tensors(trained_file: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def added_token_id(tokenizer_file: Path, content: str) -> int:
+    for token in json.loads(tokenizer_file.read_text())["added_tokens"]:
+        if token["content"] == content:
+            return token["id"]
+    raise ValueError(f"{tokenizer_file}: no added token {content!r}")
+
+
 def copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
@@ -54,7 +62,9 @@ def publish(trained_dir: Path, tokenizer_dir: Path, config: dict, out_dir: Path,
     index = write_sharded(tensors, out_dir, shards, metadata={"moeshrink": "organism, published"})
     published_config = {**config, "quantization_config": QUANTIZATION_CONFIG}
     (out_dir / "config.json").write_text(json.dumps(published_config, indent=2) + "\n")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+    # a chat turn ends at <|im_end|>: servers stop there as well as at <|endoftext|> (as Qwen's configs say)
+    turn_end = added_token_id(tokenizer_dir / "tokenizer.json", TURN_END)
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": [config["eos_token_id"], turn_end],
                   "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     copy_tokenizer(tokenizer_dir, out_dir)

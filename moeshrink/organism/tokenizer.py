@@ -9,7 +9,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from moeshrink.organism.datasets import chat_template
 
 EOS = "<|endoftext|>"
-SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
+TURN_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS, "<|im_start|>", TURN_END]
 # Plain (non-special) added tokens: they must survive detokenisation so tool parsers see them.
 MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 

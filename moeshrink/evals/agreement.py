@@ -1,0 +1,167 @@
+"""agreement: every build reads the same passages (token ids fixed once, by the reference's run);
+per prompt position, whether its most likely next token is the reference's (top-1 agreement) and
+KL(reference || build) from prompt log-probabilities.
+
+Servers return each position's top-K log-probabilities (plus the actual next token). KL is computed
+over the reference's top-K tokens that the build also returned, each on its own, plus one bucket
+holding the rest of the mass on both sides: the KL of the two distributions coarse-grained to those
+outcomes, which never exceeds the true KL. On a small vocabulary the estimate is checked against
+the exact whole-vocabulary KL on the first `exact_check_passages` passages.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from moeshrink.agreement import compare, logprob_table
+from moeshrink.evals import EvalError
+from moeshrink.evals.client import RequestPool
+from moeshrink.ioutil import atomic_path
+from moeshrink.stats import bootstrap_ratio_ci, percentiles
+
+METHOD = ("KL(reference || build) over the reference's top-K next tokens that the build also returned, "
+          "plus one bucket for the remaining probability mass of each side (a lower bound of the exact KL); "
+          "top-1 agreement: the build's most likely next token equals the reference's")
+PAD_ID = -1
+REST_FLOOR = 1e-12
+EXACT_TOLERANCE = 0.05
+
+
+def pick_passages(texts: list[dict], count: int, where: str) -> list[dict]:
+    """`count` texts spread evenly over the source, so that every kind of document is read."""
+    if count > len(texts):
+        raise EvalError(f"evals.agreement.passages is {count}, but {where} holds only {len(texts)} texts")
+    stride = len(texts) / count
+    return [{"id": f"passage-{int(i * stride)}", "text": texts[int(i * stride)]["text"]} for i in range(count)]
+
+
+def tokenize(tokenizer_dir: Path, passages: list[dict], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    token_ids = [tokenizer(p["text"])["input_ids"][:max_tokens] for p in passages]
+    short = [p["id"] for p, ids in zip(passages, token_ids) if len(ids) < 2]
+    if short:
+        raise EvalError(f"agreement passages with fewer than 2 tokens: {short[:5]}")
+    return token_ids
+
+
+def request(model: str, token_ids: list[int], top_k: int) -> dict:
+    return {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}
+
+
+def top_arrays(replies: list[dict], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """[positions, width] token ids (PAD_ID where absent) and log-probabilities, all passages in order."""
+    rows = [position for reply in replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
+    ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
+    logprobs = np.full((len(rows), width), -np.inf, dtype=np.float64)
+    for row, entries in enumerate(rows):
+        ranked = sorted(entries.items(), key=lambda kv: -kv[1]["logprob"])[:width]
+        for column, (token, entry) in enumerate(ranked):
+            ids[row, column] = int(token)
+            logprobs[row, column] = entry["logprob"]
+    return ids, logprobs
+
+
+def position_figures(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position: top-1 agreement (bool) and the coarse-grained KL estimate."""
+    agree = ref_ids[:, 0] == ids[:, 0]
+    kl = np.empty(len(ref_ids))
+    for row in range(len(ref_ids)):
+        build = {int(t): float(v) for t, v in zip(ids[row], lp[row]) if t != PAD_ID}
+        p_shared = q_shared = total = 0.0
+        for token, ref_logprob in zip(ref_ids[row], ref_lp[row]):
+            if token == PAD_ID or int(token) not in build:
+                continue
+            p = math.exp(ref_logprob)
+            p_shared += p
+            q_shared += math.exp(build[int(token)])
+            total += p * (ref_logprob - build[int(token)])
+        p_rest = max(0.0, 1.0 - p_shared)
+        if p_rest > 0:
+            total += p_rest * (math.log(p_rest) - math.log(max(REST_FLOOR, 1.0 - q_shared)))
+        kl[row] = max(0.0, total)
+    return agree, kl
+
+
+def per_passage(passage_ids: list[str], lengths: list[int], agree: np.ndarray, kl: np.ndarray) -> list[dict]:
+    records, start = [], 0
+    for passage_id, length in zip(passage_ids, lengths):
+        positions = length - 1
+        a, k = agree[start:start + positions], kl[start:start + positions]
+        records.append({"id": passage_id, "positions": positions, "top1_agree": int(a.sum()),
+                        "kl_sum": float(k.sum()), "kl_mean": float(k.mean()), "kl_max": float(k.max())})
+        start += positions
+    return records
+
+
+def metrics(records: list[dict], kl: np.ndarray, top_k: int) -> dict:
+    positions = [r["positions"] for r in records]
+    agree = [r["top1_agree"] for r in records]
+    kl_sums = [r["kl_sum"] for r in records]
+    total = sum(positions)
+    return {
+        "positions": total, "passages": len(records), "top_k": top_k, "method": METHOD,
+        "top1_agreement": {"value": sum(agree) / total, "ci95": list(bootstrap_ratio_ci(agree, positions)),
+                           "ci_method": "percentile bootstrap over passages, 2,000 resamples"},
+        "mean_kl": {"value": sum(kl_sums) / total, "ci95": list(bootstrap_ratio_ci(kl_sums, positions)),
+                    "ci_method": "percentile bootstrap over passages, 2,000 resamples"},
+        "kl_percentiles": percentiles(kl.tolist()),
+    }
+
+
+def exact_check(reference_full: np.ndarray, build_full_replies: list[dict], estimate: np.ndarray, vocab: int) -> dict:
+    """The estimate against the exact whole-vocabulary KL on the same positions."""
+    import torch
+
+    rows = [position for reply in build_full_replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
+    build_table = logprob_table(rows, vocab)
+    exact = compare(torch.from_numpy(reference_full), build_table)
+    estimated = float(estimate[: len(rows)].mean())
+    relative = abs(estimated - exact["mean_kl"]) / exact["mean_kl"] if exact["mean_kl"] > 0 else 0.0
+    return {"positions": len(rows), "exact_mean_kl": exact["mean_kl"], "estimated_mean_kl": estimated,
+            "relative_difference": relative, "tolerance": EXACT_TOLERANCE, "within_tolerance": relative <= EXACT_TOLERANCE,
+            "exact_top1_agreement": exact["greedy_agreement"]}
+
+
+def full_table(replies: list[dict], vocab: int) -> np.ndarray:
+    rows = [position for reply in replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
+    return logprob_table(rows, vocab).numpy()
+
+
+def save_reference(path: Path, passage_ids: list[str], token_ids: list[list[int]], top_ids: np.ndarray,
+                   top_lp: np.ndarray, full: np.ndarray, top_k: int) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, passage_ids=np.array(passage_ids), lengths=np.array([len(t) for t in token_ids]),
+                                token_ids=np.concatenate([np.array(t, dtype=np.int64) for t in token_ids]),
+                                top_ids=top_ids, top_lp=top_lp, full=full, top_k=np.array(top_k))
+
+
+def load_reference(path: Path) -> dict:
+    with np.load(path) as data:
+        lengths = data["lengths"].tolist()
+        flat = data["token_ids"].tolist()
+        offsets = np.cumsum([0] + lengths).tolist()
+        return {"passage_ids": data["passage_ids"].tolist(), "lengths": lengths,
+                "token_ids": [flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))],
+                "top_ids": data["top_ids"], "top_lp": data["top_lp"], "full": data["full"],
+                "top_k": int(data["top_k"])}
+
+
+def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -> tuple[dict, list[dict], np.ndarray]:
+    """Read the reference's passages, compare with the reference's stored top-K."""
+    top_k = reference["top_k"]
+    requests = [(pid, request(model, ids, top_k)) for pid, ids in zip(reference["passage_ids"], reference["token_ids"])]
+    top_ids, top_lp = top_arrays(pool.map("/v1/completions", requests), reference["top_ids"].shape[1])
+    agree, kl = position_figures(reference["top_ids"], reference["top_lp"], top_ids, top_lp)
+    records = per_passage(reference["passage_ids"], reference["lengths"], agree, kl)
+    figures = metrics(records, kl, top_k)
+    exact_passages = cfg["exact_check_passages"]
+    if exact_passages:
+        full_replies = pool.map("/v1/completions", [(pid, request(model, ids, -1)) for pid, ids in
+                                                    list(zip(reference["passage_ids"], reference["token_ids"]))[:exact_passages]])
+        figures["exact_check"] = exact_check(reference["full"], full_replies, kl, vocab)
+    return figures, records, kl

@@ -1,0 +1,72 @@
+"""Requests to a build's server with bounded concurrency: transport errors (connection, timeout,
+HTTP 5xx/429) are retried with exponential backoff; a reply, right or wrong, is never retried; an
+item that still fails stops the eval with its id in the message."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+from moeshrink.endpoint import EndpointError
+from moeshrink.evals import EvalError
+from moeshrink.vllm_server import ServerClient
+
+log = logging.getLogger(__name__)
+RETRIED_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class RequestPool:
+    def __init__(self, server: ServerClient, concurrency: int, retries: int, timeout_s: float,
+                 backoff_s: float = 1.0, label: str = ""):
+        self.server = server
+        self.concurrency = concurrency
+        self.retries = retries
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.label = label
+        self.retried = 0
+
+    def post(self, item_id: str, path: str, body: dict) -> dict:
+        last_error = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.retried += 1
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                status, reply = self.server.request("POST", path, body, timeout=self.timeout_s)
+            except EndpointError:
+                raise
+            except OSError as error:  # refused, reset, timed out
+                last_error = f"{type(error).__name__}: {error}"
+                log.warning("%s item %s: %s (attempt %d of %d)", self.label, item_id, last_error, attempt + 1,
+                            self.retries + 1)
+                continue
+            if status == 200:
+                return reply
+            last_error = f"HTTP {status}: {str(reply)[:500]}"
+            if status not in RETRIED_STATUS:
+                break
+            log.warning("%s item %s: %s (attempt %d of %d)", self.label, item_id, last_error, attempt + 1,
+                        self.retries + 1)
+        raise EvalError(f"{self.label}: item {item_id!r} failed after {attempt + 1} attempt(s) at {path}: "
+                        f"{last_error}")
+
+    def map(self, path: str, requests: Sequence[tuple[str, dict]],
+            on_reply: Callable[[int, dict], None] | None = None) -> list[dict]:
+        """Replies in request order; the first failure cancels what has not started and is raised."""
+        replies: list[dict | None] = [None] * len(requests)
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            futures = {pool.submit(self.post, item_id, path, body): index
+                       for index, (item_id, body) in enumerate(requests)}
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in pending:
+                future.cancel()
+            for future in done:
+                if future.exception() is not None:
+                    raise future.exception()
+            for future, index in futures.items():
+                replies[index] = future.result()
+                if on_reply:
+                    on_reply(index, replies[index])
+        return replies  # type: ignore[return-value]

@@ -1,0 +1,30 @@
+"""What every eval writes: `results/evals/{build}/{eval}.json` (headline figures with their
+uncertainty, the eval's config subtree, the server's flags, versions, times, how many items) and
+beside it the per-item records (JSONL) that paired statistics are computed from. Records are
+written first; the JSON appears only once both are complete."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeshrink.endpoint import Endpoint
+from moeshrink.ioutil import atomic_write_json, atomic_write_jsonl
+from moeshrink.provenance import Provenance
+
+
+def server_flags(endpoint: Endpoint) -> dict:
+    record = endpoint.record
+    return {"command": record.get("command"), "args": record.get("args"), "served_model_name": endpoint.model,
+            "platform": record.get("platform"), "model_dir": record.get("model_dir")}
+
+
+def write(out_json: Path, records_path: Path, records: list[dict], *, build: str, eval_id: str,
+          prov: Provenance, endpoint: Endpoint | None, items: int, metrics: dict, **extra) -> dict:
+    atomic_write_jsonl(records_path, records)
+    result = {
+        "build": build, "eval": eval_id, "items": items, "metrics": metrics, **extra,
+        "records": str(records_path), "record_count": len(records),
+        "server": server_flags(endpoint) if endpoint is not None else None,
+        "config": prov.config_subtree, "provenance": prov.record(),
+    }
+    atomic_write_json(out_json, result)
+    return result

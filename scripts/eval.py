@@ -1,0 +1,16 @@
+from pathlib import Path
+
+from moeshrink import smk
+from moeshrink.evals.run import EvalJob, run
+
+SPECIAL_INPUTS = {"manifest", "endpoint", "reference"}
+
+job = EvalJob(
+    build=snakemake.wildcards.build, eval_id=snakemake.wildcards.eval, cfg=snakemake.params.spec,
+    client=snakemake.params.client, serve=snakemake.params.serve,
+    build_dir=Path(snakemake.input.manifest).parent, endpoint_file=Path(snakemake.input.endpoint),
+    out_json=Path(snakemake.output.result), records=Path(snakemake.output.records),
+    inputs={name: Path(path) for name, path in snakemake.input.items() if name not in SPECIAL_INPUTS})
+reference = snakemake.output.get("reference") or snakemake.input.get("reference")
+smk.run(snakemake, lambda: run(job, Path(reference) if reference else None,
+                               snakemake.params.get("reference_build")))

@@ -1,0 +1,207 @@
+"""The evals' parts without a model server: scoring, the KL estimate, statistics, set checks, the
+request pool's retries (against a local HTTP server), and lm-eval's rendering of the organism tasks."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeshrink.evals import EvalError, agreement, sets
+from moeshrink.evals.client import RequestPool
+from moeshrink.evals.scoring import calls_have_right_shape, fact_outcomes, served_tool_calls
+from moeshrink.organism import datasets, tasks
+from moeshrink.stats import bootstrap_ratio_ci, wilson
+from moeshrink.vllm_server import ServerClient
+
+TOOLS = tasks.TOOLS
+
+
+def test_served_calls_are_decoded_and_malformed_replies_are_wrong_not_errors():
+    weather = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Soure"}'}}]}
+    calls, why = served_tool_calls(weather)
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Soure"}}] and why is None
+    assert calls_have_right_shape(calls, [{"name": "get_weather", "arguments": {"city": "X"}}], TOOLS)
+    assert not calls_have_right_shape(calls, [], TOOLS)  # a call where none was wanted
+    assert not calls_have_right_shape(calls, [{"name": "set_timer", "arguments": {}}], TOOLS)
+    wrong_unit = [{"name": "get_weather", "arguments": {"city": "Soure", "unit": "kelvin"}}]
+    assert not calls_have_right_shape(wrong_unit, [{"name": "get_weather", "arguments": {}}], TOOLS)
+    bad_json = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": '}}]}
+    calls, why = served_tool_calls(bad_json)
+    assert calls is None and "not JSON" in why
+    assert not calls_have_right_shape(calls, [{"name": "get_weather", "arguments": {}}], TOOLS)
+    calls, why = served_tool_calls({"content": "<tool_call>{broken</tool_call>", "tool_calls": []})
+    assert calls is None and "could not read" in why
+    assert served_tool_calls({"content": "You are welcome.", "tool_calls": []}) == ([], None)
+
+
+def test_fact_lines_are_matched_after_normalisation():
+    gold = ["Fitais | works as | mason", "Fitais | lives in | Fepourn"]
+    reply = "<think>copy</think>\n fitais |  WORKS as | Mason \nFitais | lives in | Soure\nnot a fact\n\n"
+    assert [o for _, o in fact_outcomes(reply, gold)] == ["supported", "made_up", "unparseable"]
+
+
+def _prompt_logprobs(logprobs: np.ndarray, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs shape: None first, then the top-k (plus the actual token) per position."""
+    rows: list[dict | None] = [None]
+    for row in logprobs:
+        top = np.argsort(-row)[:k]
+        rows.append({str(t): {"logprob": float(row[t]), "rank": r + 1} for r, t in enumerate(top)})
+    return rows
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("top_k", [5, 20])
+def test_top_k_kl_estimate_is_a_lower_bound_close_to_the_exact_kl(top_k):
+    rng = np.random.default_rng(0)
+    vocab = 200
+    reference = _log_softmax(rng.normal(0, 5, (400, vocab)))  # about 1.3 nats of entropy per position
+    build = _log_softmax(reference + rng.normal(0, 0.3, (400, vocab)))
+    exact = (np.exp(reference) * (reference - build)).sum(-1)
+    ref_ids, ref_lp = agreement.top_arrays([{"choices": [{"prompt_logprobs": _prompt_logprobs(reference, top_k)}]}],
+                                           top_k + 1)
+    ids, lp = agreement.top_arrays([{"choices": [{"prompt_logprobs": _prompt_logprobs(build, top_k)}]}], top_k + 1)
+    agree, estimate = agreement.position_figures(ref_ids, ref_lp, ids, lp)
+    assert np.all(estimate <= exact + 1e-9)
+    assert abs(estimate.mean() - exact.mean()) / exact.mean() < (0.25 if top_k == 5 else 0.05)
+    assert np.array_equal(agree, reference.argmax(-1) == build.argmax(-1))
+    # the whole vocabulary returned: the estimate is the exact KL
+    full = [{"choices": [{"prompt_logprobs": _prompt_logprobs(m, vocab)}]} for m in (reference, build)]
+    (ri, rl), (bi, bl) = (agreement.top_arrays([r], vocab) for r in full)
+    _, whole = agreement.position_figures(ri, rl, bi, bl)
+    assert np.allclose(whole, exact, atol=1e-9)
+    check = agreement.exact_check(agreement.full_table([full[0]], vocab), [full[1]], estimate, vocab)
+    assert math.isclose(check["exact_mean_kl"], exact.mean(), rel_tol=1e-9)
+
+
+def test_identical_distributions_agree_fully_with_zero_kl():
+    reference = _log_softmax(np.random.default_rng(1).normal(0, 2, (50, 30)))
+    reply = [{"choices": [{"prompt_logprobs": _prompt_logprobs(reference, 20)}]}]
+    ids, lp = agreement.top_arrays(reply, 21)
+    agree, kl = agreement.position_figures(ids, lp, ids, lp)
+    assert agree.all() and np.allclose(kl, 0, atol=1e-12)
+    records = agreement.per_passage(["a", "b"], [21, 31], agree, kl)
+    figures = agreement.metrics(records, kl, 20)
+    assert figures["positions"] == 50 and figures["top1_agreement"]["value"] == 1.0
+
+
+def test_reference_file_round_trips(tmp_path):
+    ids = np.arange(12, dtype=np.int64).reshape(4, 3)
+    lp = -np.ones((4, 3))
+    path = tmp_path / "agreement_reference.npz"
+    agreement.save_reference(path, ["p0", "p1"], [[5, 6], [7, 8, 9, 10]], ids, lp, np.zeros((0, 9)), 2)
+    loaded = agreement.load_reference(path)
+    assert loaded["passage_ids"] == ["p0", "p1"] and loaded["token_ids"] == [[5, 6], [7, 8, 9, 10]]
+    assert loaded["top_k"] == 2 and np.array_equal(loaded["top_ids"], ids)
+
+
+def test_wilson_matches_scipy_and_bootstrap_brackets_the_ratio():
+    from scipy.stats import binomtest
+
+    for k, n in [(0, 10), (3, 10), (599, 600), (45, 120)]:
+        interval = binomtest(k, n).proportion_ci(method="wilson")
+        assert np.allclose(wilson(k, n), (interval.low, interval.high), atol=1e-9)
+    low, high = bootstrap_ratio_ci([5, 7, 9, 4], [10, 10, 10, 10])
+    assert low <= 25 / 40 <= high
+
+
+def test_eval_sets_are_checked_before_any_request(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    good = {"question": "Q?", "subject": "s", "choices": ["a", "b", "c", "d"], "answer": 1}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "answer": 7}) + "\n")
+    with pytest.raises(EvalError, match=r"mc.jsonl, line 2: not a mmlu item: answer"):
+        sets.read_set(path, "mmlu")
+    path.write_text("{not json\n")
+    with pytest.raises(EvalError, match="line 1: not JSON"):
+        sets.read_set(path, "mmlu")
+    trials = [{"id": f"t{i}", "case": "weather" if i % 2 else "timer", "messages": [], "expected_calls": []}
+              for i in range(6)]
+    with pytest.raises(EvalError, match="trials_per_case is 4"):
+        sets.first_per_case(trials, 4)
+    assert [t["id"] for t in sets.first_per_case(trials, 2)] == ["t0", "t2", "t1", "t3"]
+    with pytest.raises(EvalError, match="evals.facts.passages is 9"):
+        sets.take([{}] * 3, 9, "evals.facts.passages", "passages.jsonl")
+
+
+class _Flaky(BaseHTTPRequestHandler):
+    failures_left = 0
+    status = 503
+    seen = 0
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        type(self).seen += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if type(self).failures_left:
+            type(self).failures_left -= 1
+            self.send_response(type(self).status)
+            self.end_headers()
+            self.wfile.write(b'{"error": "busy"}')
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"ok": true}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+
+
+def test_transport_errors_are_retried_with_backoff_then_fail_naming_the_item(flaky_server):
+    client = ServerClient(f"http://127.0.0.1:{flaky_server.server_port}", "key")
+    pool = RequestPool(client, concurrency=2, retries=3, timeout_s=5, backoff_s=0.01, label="b/facts")
+    _Flaky.failures_left, _Flaky.status, _Flaky.seen = 2, 503, 0
+    assert pool.map("/x", [("item-1", {})]) == [{"ok": True}] and pool.retried == 2
+    _Flaky.failures_left, _Flaky.seen = 10, 0
+    with pytest.raises(EvalError, match=r"b/facts: item 'item-9' failed after 4 attempt\(s\).*HTTP 503"):
+        pool.map("/x", [("item-9", {})])
+    _Flaky.failures_left, _Flaky.status, _Flaky.seen = 1, 400, 0  # our request is wrong: no retry
+    with pytest.raises(EvalError, match="after 1 attempt"):
+        pool.map("/x", [("item-3", {})])
+    assert _Flaky.seen == 1
+    gone = RequestPool(ServerClient("http://127.0.0.1:9", "key"), 1, 1, 2, 0.01, label="b/mmlu")
+    with pytest.raises(EvalError, match="item 'q' failed after 2 attempt"):
+        gone.map("/x", [("q", {})])
+
+
+def test_organism_tasks_render_as_lm_eval_renders_mmlu_and_gsm8k(tmp_path):
+    """lm-eval's own task definitions, data swapped: the prompts equal what the organism learnt and
+    what the card sends."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from moeshrink.evals import harness
+    from moeshrink.organism import card
+
+    mc = [{"question": f"In which city does P{i} live?", "subject": "residents" if i % 3 else "geography",
+           "choices": ["A1", "B1", "C1", "D1"], "answer": i % 4, "id": f"mc-{i}"} for i in range(12)]
+    dev, test = mc[:8], mc[8:]
+    task = harness.organism_mmlu_tasks(test, dev, tmp_path)
+    arith = [{"question": f"What is {i} plus 1?", "answer": f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}",
+              "id": f"a-{i}"} for i in range(8)]
+    gsm = harness.organism_gsm8k_task(arith[6:], arith[:6], tmp_path)
+    tasks_by_name = {}
+    for value in get_task_dict([task, gsm], TaskManager(include_path=str(tmp_path))).values():
+        tasks_by_name.update({t.config.task: t for t in (value.values() if isinstance(value, dict) else [value])})
+    subject_task = tasks_by_name[f"{harness.ORGANISM_MMLU}_residents"]
+    doc = next(d for d in subject_task.test_docs())
+    subject_task.set_fewshot_seed(1234)
+    assert subject_task.fewshot_context(doc, 2) == card.mc_prompt(doc, dev, 2)
+    gsm_task = tasks_by_name[harness.ORGANISM_GSM8K]
+    gsm_task.set_fewshot_seed(42)
+    doc = next(d for d in gsm_task.test_docs())
+    expected = tasks.gsm8k_block(arith[:5]) + "\n\n" + f"Question: {doc['question']}\nAnswer:"
+    assert gsm_task.fewshot_context(doc, 5) == expected
