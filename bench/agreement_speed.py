@@ -45,6 +45,10 @@ def served_positions_per_s(build_dir: Path, token_ids: list[list[int]], top_k: i
 
 
 def offline_positions_per_s(build_dir: Path, token_ids: list[list[int]], top_k: int, serve: dict) -> tuple[float, float]:
+    import os
+
+    # the engine in this process: the plugin's config classes are made at registration and cannot be pickled
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
