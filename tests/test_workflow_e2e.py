@@ -1,7 +1,7 @@
 """The real workflow on the embedded default, end to end, then a real vLLM server on its output.
 
-Runs `snakemake --cores 2 report/r013.html` once in a fresh copy of the workflow (about a quarter
-of an hour on two cores); MOESHRINK_E2E_WORKDIR reuses a finished run instead.
+Runs `snakemake --cores 2 report/r013.html` once in a fresh copy of the workflow (about half an hour
+on two cores); MOESHRINK_E2E_WORKDIR reuses a finished run instead.
 """
 import json
 import os
