@@ -7,6 +7,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from moeshrink.endpoint import Endpoint, wait_for_endpoint
 from moeshrink.evals import EvalError, agreement, facts, harness, result, sets, toolcalls
 from moeshrink.evals.client import RequestPool
@@ -135,7 +137,7 @@ def run_agreement_reference(job: EvalJob, reference_file: Path) -> dict:
     exact = job.cfg["exact_check_passages"]
     full_replies = pool.map("/v1/completions", [(pid, agreement.request(endpoint.model, ids, -1))
                                                 for pid, ids in pairs[:exact]]) if exact else []
-    full = agreement.full_table(full_replies, vocab) if exact else agreement.np.zeros((0, vocab))
+    full = agreement.full_table(full_replies, vocab) if exact else np.zeros((0, vocab))
     agreement.save_reference(reference_file, [p["id"] for p in passages], token_ids, top_ids, top_lp, full, top_k)
     metrics, records, _ = agreement.run(pool, endpoint.model, agreement.load_reference(reference_file), job.cfg, vocab)
     return job.write(prov, endpoint, len(passages), metrics, records, reference=True,
