@@ -6,7 +6,6 @@ data swapped for local JSONL files, registered through an include path: same cod
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 from pathlib import Path
@@ -20,7 +19,6 @@ from moeshrink.ioutil import atomic_write_jsonl
 from moeshrink.organism.tasks import LETTERS, MC_DESCRIPTION
 from moeshrink.stats import rate_with_ci
 
-log = logging.getLogger(__name__)
 ORGANISM_MMLU = "moeshrink_organism_mmlu"
 ORGANISM_GSM8K = "moeshrink_organism_gsm8k"
 

@@ -2,7 +2,6 @@
 server, send the requests, write the records and the JSON."""
 from __future__ import annotations
 
-import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,6 @@ from moeshrink.evals.client import RequestPool
 from moeshrink.ioutil import read_json
 from moeshrink.provenance import Provenance
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
