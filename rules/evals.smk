@@ -5,87 +5,53 @@
 
 GENERIC_EVALS = [e for e in EVAL_IDS if e != "agreement"]
 OTHER_BUILDS = [b for b in BUILD_IDS if b != REFERENCE_BUILD]
+NO_MATCH = "(?!)"
 
 
 def eval_params(wildcards):
     return config["evals"][wildcards.eval]
 
 
-if GENERIC_EVALS:
-
-    rule eval:
-        input:
-            unpack(eval_inputs),
-        output:
-            result="results/evals/{build}/{eval}.json",
-            records="results/evals/{build}/{eval}.jsonl",
-        wildcard_constraints:
-            eval="|".join(GENERIC_EVALS),
-        params:
-            spec=eval_params,
-            client=config["evals"]["client"],
-            serve=config["serve"],
-        log:
-            "logs/evals/{build}/{eval}.log",
-        benchmark:
-            "benchmarks/evals/{build}/{eval}.tsv"
-        threads: 0
-        resources:
-            mem_mb=3000,
-            runtime=lambda wildcards: 120 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
-        script:
-            "../scripts/eval.py"
+rule eval:
+    input:
+        unpack(eval_inputs),
+    output:
+        result="results/evals/{build}/{eval}.json",
+        records="results/evals/{build}/{eval}.jsonl",
+    wildcard_constraints:
+        eval="|".join(GENERIC_EVALS) or NO_MATCH,
+    params:
+        spec=eval_params,
+        client=config["evals"]["client"],
+        serve=config["serve"],
+    log:
+        "logs/evals/{build}/{eval}.log",
+    benchmark:
+        "benchmarks/evals/{build}/{eval}.tsv"
+    threads: 0
+    resources:
+        mem_mb=4000,
+        runtime=lambda wildcards: 120 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
+    script:
+        "../scripts/eval.py"
 
 
-if "agreement" in EVAL_IDS:
+use rule eval as eval_agreement_reference with:
+    output:
+        result="results/evals/{build}/{eval}.json",
+        records="results/evals/{build}/{eval}.jsonl",
+        reference="results/evals/{build}/{eval}_reference.npz",
+    wildcard_constraints:
+        build=REFERENCE_BUILD if "agreement" in EVAL_IDS else NO_MATCH,
+        eval="agreement",
 
-    rule eval_agreement_reference:
-        input:
-            unpack(eval_inputs),
-        output:
-            result="results/evals/{build}/{eval}.json",
-            records="results/evals/{build}/{eval}.jsonl",
-            reference="results/evals/{build}/{eval}_reference.npz",
-        wildcard_constraints:
-            build=REFERENCE_BUILD,
-            eval="agreement",
-        params:
-            spec=eval_params,
-            client=config["evals"]["client"],
-            serve=config["serve"],
-        log:
-            "logs/evals/{build}/{eval}.log",
-        benchmark:
-            "benchmarks/evals/{build}/{eval}.tsv"
-        threads: 0
-        resources:
-            mem_mb=4000,
-            runtime=lambda wildcards: 120 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
-        script:
-            "../scripts/eval.py"
 
-    rule eval_agreement:
-        input:
-            unpack(eval_inputs),
-            reference=f"results/evals/{REFERENCE_BUILD}/agreement_reference.npz",
-        output:
-            result="results/evals/{build}/{eval}.json",
-            records="results/evals/{build}/{eval}.jsonl",
-        wildcard_constraints:
-            build="|".join(OTHER_BUILDS) or "(?!)",
-            eval="agreement",
-        params:
-            spec=eval_params,
-            client=config["evals"]["client"],
-            serve=config["serve"],
-            reference_build=REFERENCE_BUILD,
-        log:
-            "logs/evals/{build}/{eval}.log",
-        benchmark:
-            "benchmarks/evals/{build}/{eval}.tsv"
-        threads: 0
-        resources:
-            mem_mb=4000,
-            runtime=lambda wildcards: 120 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
-        script:
-            "../scripts/eval.py"
+use rule eval as eval_agreement with:
+    input:
+        unpack(eval_inputs),
+        reference=f"results/evals/{REFERENCE_BUILD}/agreement_reference.npz",
+    wildcard_constraints:
+        build="|".join(OTHER_BUILDS) if "agreement" in EVAL_IDS and OTHER_BUILDS else NO_MATCH,
+        eval="agreement",
+    params:
+        reference_build=REFERENCE_BUILD,

@@ -151,7 +151,7 @@ def load_reference(path: Path) -> dict:
                 "top_k": int(data["top_k"])}
 
 
-def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -> tuple[dict, list[dict], np.ndarray]:
+def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -> tuple[dict, list[dict]]:
     """Read the reference's passages, compare with the reference's stored top-K."""
     top_k = reference["top_k"]
     requests = [(pid, request(model, ids, top_k)) for pid, ids in zip(reference["passage_ids"], reference["token_ids"])]
@@ -164,4 +164,4 @@ def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -
         full_replies = pool.map("/v1/completions", [(pid, request(model, ids, -1)) for pid, ids in
                                                     list(zip(reference["passage_ids"], reference["token_ids"]))[:exact_passages]])
         figures["exact_check"] = exact_check(reference["full"], full_replies, kl, vocab)
-    return figures, records, kl
+    return figures, records

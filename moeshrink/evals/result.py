@@ -18,12 +18,12 @@ def server_flags(endpoint: Endpoint) -> dict:
 
 
 def write(out_json: Path, records_path: Path, records: list[dict], *, build: str, eval_id: str,
-          prov: Provenance, endpoint: Endpoint | None, items: int, metrics: dict, **extra) -> dict:
+          prov: Provenance, endpoint: Endpoint, items: int, metrics: dict, **extra) -> dict:
     atomic_write_jsonl(records_path, records)
     result = {
         "build": build, "eval": eval_id, "items": items, "metrics": metrics, **extra,
         "records": str(records_path), "record_count": len(records),
-        "server": server_flags(endpoint) if endpoint is not None else None,
+        "server": server_flags(endpoint),
         "config": prov.config_subtree, "provenance": prov.record(),
     }
     atomic_write_json(out_json, result)

@@ -15,7 +15,6 @@ from moeshrink.ioutil import read_json
 from moeshrink.provenance import Provenance
 
 
-
 @dataclass
 class EvalJob:
     build: str
@@ -137,7 +136,7 @@ def run_agreement_reference(job: EvalJob, reference_file: Path) -> dict:
                                                 for pid, ids in pairs[:exact]]) if exact else []
     full = agreement.full_table(full_replies, vocab) if exact else np.zeros((0, vocab))
     agreement.save_reference(reference_file, [p["id"] for p in passages], token_ids, top_ids, top_lp, full, top_k)
-    metrics, records, _ = agreement.run(pool, endpoint.model, agreement.load_reference(reference_file), job.cfg, vocab)
+    metrics, records = agreement.run(pool, endpoint.model, agreement.load_reference(reference_file), job.cfg, vocab)
     return job.write(prov, endpoint, len(passages), metrics, records, reference=True,
                      compared_with=f"{job.build} itself, read a second time (serving noise floor)",
                      reference_file=str(reference_file), source=str(job.inputs["texts"]))
@@ -150,7 +149,7 @@ def run_agreement(job: EvalJob, reference_file: Path, reference_build: str) -> d
     if reference["top_k"] != job.cfg["top_k"] or len(reference["passage_ids"]) != job.cfg["passages"]:
         raise EvalError(f"{reference_file} was made with other evals.agreement settings; rerun the reference")
     endpoint = job.endpoint()
-    metrics, records, _ = agreement.run(job.pool(endpoint), endpoint.model, reference, job.cfg, vocab)
+    metrics, records = agreement.run(job.pool(endpoint), endpoint.model, reference, job.cfg, vocab)
     return job.write(prov, endpoint, len(records), metrics, records, reference=False, compared_with=reference_build,
                      reference_file=str(reference_file))
 
