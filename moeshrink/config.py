@@ -65,6 +65,12 @@ def semantic_problems(config: dict) -> list[str]:
     if config["reference_build"] not in builds:
         problems.append(f"reference_build: {config['reference_build']!r} is not a build "
                         f"(builds: {', '.join(builds)})")
+    for index, pair in enumerate(config["compare"]["pairs"]):
+        for build_id in pair:
+            if build_id not in builds:
+                problems.append(f"compare.pairs[{index}]: {build_id!r} is not a build (builds: {', '.join(builds)})")
+        if pair[0] == pair[1]:
+            problems.append(f"compare.pairs[{index}]: a build compared with itself ({pair[0]!r})")
     for build_id, build in builds.items():
         for step in ("prune", "quantize"):
             if step in build and build_id == config["reference_build"]:

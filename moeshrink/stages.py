@@ -198,6 +198,10 @@ def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_fil
     if failed:
         logging.getLogger("moeshrink.serve").warning("%s: memory checks failed: %s", build_id, ", ".join(failed))
     server = {key: endpoint.record[key] for key in ("command", "args", "startup_seconds", "model_dir", "log")}
-    result = {"build": build_id, **figures, "server": server, "provenance": prov.record()}
+    models_status, models = endpoint.get("/v1/models")
+    models_check = {"request": "GET /v1/models", "status": models_status,
+                    "served": [model.get("id") for model in models.get("data", [])]}
+    result = {"build": build_id, **figures, "models_check": models_check, "server": server,
+              "provenance": prov.record()}
     atomic_write_json(out_file, result)
     return result

@@ -52,3 +52,71 @@ def percentiles(values: Sequence[float], points: Sequence[float] = (50, 90, 99))
     out = {f"p{p:g}": ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] for p in points}
     out["max"] = ordered[-1]
     return out
+
+
+Z95_ONE_SIDED = 1.6448536269514722
+
+
+def _log_binom_pmf(k: int, n: int) -> float:
+    """log P(X = k) for X ~ Binomial(n, 1/2)."""
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) - n * math.log(2)
+
+
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """Exact McNemar test, two-sided: the binomial test of the discordant pairs against 1/2 (items
+    right only for A vs right only for B). 1.0 when there is no discordant pair."""
+    _check_counts(only_a=only_a, only_b=only_b)
+    discordant = only_a + only_b
+    if discordant == 0:
+        return 1.0
+    smaller = min(only_a, only_b)
+    tail = sum(math.exp(_log_binom_pmf(k, discordant)) for k in range(smaller + 1))
+    return min(1.0, 2 * tail)
+
+
+def paired_drop(n: int, only_ref: int, only_build: int) -> dict:
+    """Accuracy points a build loses against the reference on the same n items, drop = (b - c) / n, and
+    the one-sided 95% upper bound of that loss ("at worst"): Agresti and Min's adjusted Wald interval
+    for a paired difference (half an item added to each of the four cells), which, unlike the plain
+    Wald bound, does not collapse onto the drop when there are few or no discordant pairs."""
+    _check_counts(n=n, only_ref=only_ref, only_build=only_build)
+    if only_ref + only_build > n:
+        raise ValueError(f"discordant pairs ({only_ref} + {only_build}) exceed the {n} items")
+    if n == 0:
+        raise ValueError("no paired item: the drop is undefined")
+    drop = (only_ref - only_build) / n
+    b, c, total = only_ref + 0.5, only_build + 0.5, n + 2
+    centre = (b - c) / total
+    standard_error = math.sqrt(max(0.0, (b + c) - (b - c) ** 2 / total)) / total
+    at_worst = max(drop, min(1.0, centre + Z95_ONE_SIDED * standard_error))
+    return {"drop_points": 100 * drop, "at_worst_points": 100 * at_worst,
+            "method": "paired difference of proportions; at worst: one-sided 95% upper bound, "
+                      "Agresti-Min adjusted Wald (z = 1.645)"}
+
+
+def fisher_exact(bad_a: int, total_a: int, bad_b: int, total_b: int) -> float:
+    """Fisher's exact test, two-sided, on the 2x2 table [[bad_a, total_a - bad_a], [bad_b, total_b - bad_b]]:
+    the probability, with all margins fixed, of a table no more likely than the one observed."""
+    _check_counts(bad_a=bad_a, total_a=total_a, bad_b=bad_b, total_b=total_b)
+    if bad_a > total_a or bad_b > total_b:
+        raise ValueError(f"more bad items than items: {bad_a} of {total_a}, {bad_b} of {total_b}")
+    bad = bad_a + bad_b
+    low, high = max(0, bad - total_b), min(bad, total_a)
+
+    def log_p(x: int) -> float:
+        return (_log_comb(total_a, x) + _log_comb(total_b, bad - x) - _log_comb(total_a + total_b, bad))
+
+    observed = log_p(bad_a)
+    # scipy's tolerance: tables within a relative 1e-7 of the observed probability count as "as extreme"
+    threshold = observed + math.log1p(1e-7)
+    return min(1.0, sum(math.exp(log_p(x)) for x in range(low, high + 1) if log_p(x) <= threshold))
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def _check_counts(**counts: int) -> None:
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a count (an integer >= 0), got {value!r}")

@@ -3,10 +3,11 @@
 import json
 import sys
 
-from moeshrink.evals import EVALS
+from moeshrink.compare import PAIRED_EVALS
+from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
 
 BUILD_IDS = list(config["builds"])
-EVAL_IDS = [eval_id for eval_id in EVALS if eval_id in config["evals"]]
+EVAL_IDS = configured_evals(config)
 REFERENCE_BUILD = config["reference_build"]
 UPSTREAM_SOURCE = config["upstream"]["source"]
 ORGANISM = config["upstream"].get("organism", {})
@@ -51,6 +52,10 @@ def report_inputs(wildcards):
     inputs.update({f"prediction_{build}": f"results/serve/{build}/prediction.json" for build in BUILD_IDS})
     inputs.update({f"eval_{build}_{eval_id}": f"results/evals/{build}/{eval_id}.json"
                    for eval_id in EVAL_IDS for build in eval_builds(eval_id)})
+    if EVAL_IDS:
+        inputs.update({f"compare_{build}": f"results/compare/{build}.json" for build in BUILD_IDS
+                       if build != REFERENCE_BUILD})
+        inputs.update({f"pair_{a}_vs_{b}": f"results/compare/pairs/{a}_vs_{b}.json" for a, b in compare_pairs()})
     if UPSTREAM_SOURCE == "organism":
         inputs["card"] = "results/upstream/organism_card.json"
         inputs["train"] = f"{ORGANISM_TRAINED}/train.json"
@@ -77,9 +82,7 @@ def build_calibration(wildcards):
 
 
 def eval_builds(eval_id):
-    if eval_id == "gsm8k":
-        return config["evals"]["gsm8k"]["builds"] or BUILD_IDS
-    return BUILD_IDS
+    return configured_eval_builds(config, eval_id)
 
 
 def eval_set_inputs(eval_id):
@@ -104,3 +107,33 @@ def eval_inputs(wildcards):
     return {"manifest": f"results/builds/{wildcards.build}/manifest.json",
             "endpoint": f"results/serve/{wildcards.build}/endpoint.json",
             **eval_set_inputs(wildcards.eval)}
+
+
+def compared_evals(build_a, build_b):
+    """The evals both builds ran (gsm8k may run for some builds only)."""
+    return [eval_id for eval_id in EVAL_IDS if build_a in eval_builds(eval_id) and build_b in eval_builds(eval_id)]
+
+
+def compare_side_inputs(side, build, eval_ids):
+    inputs = {}
+    for eval_id in eval_ids:
+        inputs[f"{side}_{eval_id}"] = f"results/evals/{build}/{eval_id}.json"
+        if eval_id in PAIRED_EVALS:
+            inputs[f"{side}_{eval_id}_records"] = f"results/evals/{build}/{eval_id}.jsonl"
+    return inputs
+
+
+def compare_inputs(wildcards):
+    """A build against the reference: both sides' eval JSONs, and the per-item records of the paired evals."""
+    eval_ids = compared_evals(REFERENCE_BUILD, wildcards.build)
+    return {**compare_side_inputs("a", REFERENCE_BUILD, [e for e in eval_ids if e != "agreement"]),
+            **compare_side_inputs("b", wildcards.build, eval_ids)}
+
+
+def compare_pair_inputs(wildcards):
+    eval_ids = [e for e in compared_evals(wildcards.a, wildcards.b) if e != "agreement"]
+    return {**compare_side_inputs("a", wildcards.a, eval_ids), **compare_side_inputs("b", wildcards.b, eval_ids)}
+
+
+def compare_pairs():
+    return [tuple(pair) for pair in config["compare"]["pairs"]]

@@ -68,7 +68,13 @@ def test_cross_field_rules(default_config):
     config["reference_build"] = "nope"
     config["evals"]["gsm8k"]["builds"] = ["original", "ghost"]
     config["upstream"]["organism"]["model"]["n_group"] = 7
+    config["compare"]["pairs"] = [["twx3", "twx4"], ["twx3", "twx3"]]
     problems = problems_of(config)
+    assert any(p.startswith("compare.pairs[0]: 'twx4' is not a build") for p in problems)
+    assert any(p.startswith("compare.pairs[1]: a build compared with itself") for p in problems)
+    config = copy.deepcopy(default_config)
+    config["compare"]["pass_on"] = "median"
+    assert problems_of(config)[0].startswith("compare.pass_on: 'median' is not one of")
     assert any(p.startswith("reference_build: 'nope' is not a build") for p in problems)
     assert any(p.startswith("evals.gsm8k.builds: 'ghost' is not a build") for p in problems)
     assert any(p.startswith("upstream.organism.model.n_group: 7 does not divide") for p in problems)

@@ -320,5 +320,119 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
                 if build != reference:
                     assert figures["mean_kl"]["value"] > 0
     html = (workdir / "report/r013.html").read_text()
-    section = html[html.index('id="evals"'):]
+    section = html[html.index('id="quality"'):]
     assert all(config["builds"][b]["label"] in section for b in config["builds"])
+
+
+def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):
+    """results/compare/{build}.json recounts the paired evals from the per-item records, and its
+    statistics are the CLI's (what a reader re-checking the report would run)."""
+    from moeshrink import stats
+
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    reference = config["reference_build"]
+    for build in config["builds"]:
+        if build == reference:
+            continue
+        result = json.loads((workdir / f"results/compare/{build}.json").read_text())
+        assert (result["a"], result["b"], result["side_a_is_reference"]) == (reference, build, True)
+        assert result["provenance"]["config"] == {k: config["compare"][k] for k in ("pass_mark_points", "pass_on")}
+        for eval_id in ("mmlu", "gsm8k"):
+            if build not in (config["evals"]["gsm8k"]["builds"] or config["builds"]) and eval_id == "gsm8k":
+                continue
+            paired = result["evals"][eval_id]
+            ref = {r["id"]: r["correct"] for r in _lines(workdir / f"results/evals/{reference}/{eval_id}.jsonl")}
+            own = {r["id"]: r["correct"] for r in _lines(workdir / f"results/evals/{build}/{eval_id}.jsonl")}
+            assert paired["only_a"] == sum(ref[i] and not own[i] for i in ref)
+            assert paired["only_b"] == sum(own[i] and not ref[i] for i in ref)
+            assert paired["items"] == len(ref)
+            assert paired["p_value"] == stats.mcnemar_exact(paired["only_a"], paired["only_b"])
+            cli = subprocess.run([sys.executable, "-m", "moeshrink", "stats", "drop-bound", "--n", str(paired["items"]),
+                                  "--only-ref", str(paired["only_a"]), "--only-build", str(paired["only_b"])],
+                                 capture_output=True, text=True, check=True)
+            assert json.loads(cli.stdout)["at_worst_points"] == pytest.approx(paired["at_worst_points"])
+            judged = paired["drop_points"] if config["compare"]["pass_on"] == "drop" else paired["at_worst_points"]
+            assert paired["pass"] == (judged <= config["compare"]["pass_mark_points"])
+        facts = result["evals"]["facts"]
+        assert facts["p_value"] == stats.fisher_exact(facts["a"]["count"], facts["a"]["total"],
+                                                      facts["b"]["count"], facts["b"]["total"])
+        assert set(result["evals"]["toolcalls"]["by_effort"]) == set(config["evals"]["toolcalls"]["efforts"])
+        assert result["evals"]["agreement"]["top1_agreement"]["value"] < 1.0
+    for a, b in config["compare"]["pairs"]:
+        pair = json.loads((workdir / f"results/compare/pairs/{a}_vs_{b}.json").read_text())
+        assert (pair["a"], pair["b"], pair["side_a_is_reference"]) == (a, b, False)
+        assert "pass" not in pair["evals"]["mmlu"] and "agreement" not in pair["evals"]
+
+
+def _report_inputs(workdir: Path, config: dict) -> dict[str, Path]:
+    """The files the report rule reads for this config (rules/common.smk: report_inputs)."""
+    inputs = {"upstream": "results/upstream/manifest.json", "card": "results/upstream/organism_card.json",
+              "train": "results/organism/trained/train.json"}
+    for build in config["builds"]:
+        inputs.update({f"build_{build}": f"results/builds/{build}/manifest.json",
+                       f"memory_{build}": f"results/serve/{build}/memory.json",
+                       f"prediction_{build}": f"results/serve/{build}/prediction.json"})
+        for eval_id in config["evals"]:
+            if eval_id != "client" and (workdir / f"results/evals/{build}/{eval_id}.json").exists():
+                inputs[f"eval_{build}_{eval_id}"] = f"results/evals/{build}/{eval_id}.json"
+        if build != config["reference_build"]:
+            inputs[f"compare_{build}"] = f"results/compare/{build}.json"
+    for a, b in config["compare"]["pairs"]:
+        inputs[f"pair_{a}_vs_{b}"] = f"results/compare/pairs/{a}_vs_{b}.json"
+    return {key: workdir / path for key, path in inputs.items()}
+
+
+def _browser_or_skip():
+    from headless import browser_path, require_browser
+
+    if browser_path() is None:
+        if require_browser():
+            pytest.fail("MOESHRINK_REQUIRE_BROWSER=1 but no Chromium is installed (.ci/run installs it)")
+        pytest.skip("no headless Chromium on this machine")
+
+
+def test_report_opens_in_a_browser_without_errors_with_a_row_per_build(workdir):
+    from headless import check_page
+
+    _browser_or_skip()
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    labels = [build["label"] for build in config["builds"].values()]
+    screenshot = ROOT / "tests/artifacts/r013.png"
+    page = check_page(workdir / "report/r013.html", screenshot)
+    assert page.errors == []
+    per_build = [t for t in page.tables if "per-build" in t["classes"].split()]
+    assert len(per_build) >= 6, [t["heading"] for t in page.tables]
+    for table in per_build:
+        assert len(table["rows"]) == len(labels), table
+        assert all(row.startswith(label) for row, label in zip(table["rows"], labels)), table
+    assert page.scripts == 0 and page.svgs >= 4  # charts inline, nothing to run
+    for heading in ("Setup", "Quality against the original", "Made-up facts and tool calls",
+                    "Next-word agreement and drift", "Memory per card", "Which build", "How it was measured"):
+        assert heading in page.text
+    assert "For fidelity:" in page.text or "No build passes the pass mark" in page.text
+    assert screenshot.stat().st_size > 50_000
+
+
+def test_report_escapes_labels_and_names_a_missing_build(workdir, tmp_path):
+    """Text from config reaches the page as text: a label holding markup renders literally. A build
+    config declares without its files is an error naming them."""
+    from headless import check_page
+    from moeshrink import report
+
+    _browser_or_skip()
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    markup = '<script>console.error("injected")</script><b>TWX3</b> & co'
+    config["builds"]["twx3"]["label"] = markup
+    config["title"] = "<i>R-013</i>"
+    inputs = _report_inputs(workdir, config)
+    out = tmp_path / "escaped.html"
+    report.render(inputs, config, out, benchmark_dir=workdir / "benchmarks")
+    page = check_page(out, tmp_path / "escaped.png")
+    assert page.errors == [] and page.scripts == 0
+    assert markup in page.text and "<i>R-013</i>" in page.text
+    assert "<b>TWX3</b>" not in out.read_text()
+
+    config["builds"]["extra"] = {"label": "Extra"}
+    with pytest.raises(report.ReportError, match="results/builds/extra/manifest.json"):
+        report.render(inputs, config, tmp_path / "missing.html", benchmark_dir=workdir / "benchmarks")
+    assert not (tmp_path / "missing.html").exists()

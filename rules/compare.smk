@@ -1,0 +1,39 @@
+# Stage 5: paired statistics. Each build against the reference (results/compare/{build}.json, pass or
+# fail against the pass mark config fixes before the run), and the pairs config names against each
+# other (results/compare/pairs/{a}_vs_{b}.json). Cheap: no server, only the eval files.
+
+
+rule compare:
+    input:
+        unpack(compare_inputs),
+    output:
+        result="results/compare/{build}.json",
+    wildcard_constraints:
+        build="|".join(OTHER_BUILDS) or NO_MATCH,
+    params:
+        judging={key: config["compare"][key] for key in ("pass_mark_points", "pass_on")},
+        reference=REFERENCE_BUILD,
+    log:
+        "logs/compare/{build}.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    script:
+        "../scripts/compare.py"
+
+
+rule compare_pair:
+    input:
+        unpack(compare_pair_inputs),
+    output:
+        result="results/compare/pairs/{a}_vs_{b}.json",
+    wildcard_constraints:
+        a="|".join(BUILD_IDS),
+        b="|".join(BUILD_IDS),
+    log:
+        "logs/compare/pairs/{a}_vs_{b}.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    script:
+        "../scripts/compare.py"
