@@ -15,11 +15,25 @@ def temporary_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def remove_stale_siblings(path: Path) -> None:
+    """Remove temporary names of `path` whose writer is gone (a process killed with SIGKILL cannot clean
+    up after itself)."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success rename it over `path`, on failure remove it."""
+    """Yield a temporary path next to `path`; on success rename it over `path`, on failure remove it.
+    Temporary names a killed writer left are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(path)
     tmp = temporary_sibling(path)
     try:
         yield tmp

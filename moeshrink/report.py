@@ -56,7 +56,8 @@ def load(inputs: dict[str, Path], config: dict) -> Results:
             record = read_json(path)
             results.evals[record["build"]][record["eval"]] = record
         elif kind == "compare":
-            results.compare[read_json(path)["b"]] = read_json(path)
+            record = read_json(path)
+            results.compare[record["b"]] = record
         elif kind == "pair":
             results.pairs.append(read_json(path))
     results.card = read_json(inputs["card"]) if "card" in inputs else None

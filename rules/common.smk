@@ -1,6 +1,7 @@
 # Input functions and wildcard constraints shared by every stage.
 
 import json
+import os
 import sys
 
 from moeshrink.compare import PAIRED_EVALS
@@ -11,6 +12,8 @@ EVAL_IDS = configured_evals(config)
 REFERENCE_BUILD = config["reference_build"]
 UPSTREAM_SOURCE = config["upstream"]["source"]
 ORGANISM = config["upstream"].get("organism", {})
+
+CLUSTER = config["cluster"]
 
 ORGANISM_DATA = "results/organism/data"
 ORGANISM_DATA_FILES = [
@@ -24,6 +27,33 @@ ORGANISM_TRAINED = "results/organism/trained"
 wildcard_constraints:
     build="|".join(BUILD_IDS),
     eval="[a-z][a-z0-9_]*",
+
+
+def scheduler_resources(partition_key):
+    """Slurm partition and account for a job (ignored by the local executor): config's `cluster` keys,
+    else MOESHRINK_SLURM_PARTITION / MOESHRINK_SLURM_GPU_PARTITION / MOESHRINK_SLURM_ACCOUNT, else none
+    (the Slurm plugin then takes the cluster's default partition and guesses the account)."""
+    cpu_partition = CLUSTER["partition"] or os.environ.get("MOESHRINK_SLURM_PARTITION")
+    partition = cpu_partition
+    if partition_key == "gpu_partition":
+        partition = CLUSTER["gpu_partition"] or os.environ.get("MOESHRINK_SLURM_GPU_PARTITION") or cpu_partition
+    account = CLUSTER["account"] or os.environ.get("MOESHRINK_SLURM_ACCOUNT")
+    return {**({"slurm_partition": partition} if partition else {}), **({"slurm_account": account} if account else {})}
+
+
+# every CPU-only job, and the jobs of a build's service group (its server and what reads it: one
+# cluster job on one node, so they all ask for the same partition)
+CPU_JOB = scheduler_resources("partition")
+SERVICE_JOB = scheduler_resources("gpu_partition")
+
+
+def machine_cores():
+    """Cores of the machine a local run schedules on; a cluster run has no such total (its profile
+    sets the server job's threads: set-threads)."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
 
 
 def upstream_params():

@@ -16,6 +16,7 @@ rule compare:
     log:
         "logs/compare/{build}.log",
     resources:
+        **CPU_JOB,
         mem_mb=2000,
         runtime=10,
     script:
@@ -33,6 +34,7 @@ rule compare_pair:
     log:
         "logs/compare/pairs/{a}_vs_{b}.log",
     resources:
+        **CPU_JOB,
         mem_mb=2000,
         runtime=10,
     script:

@@ -15,6 +15,7 @@ rule build_plan:
     benchmark:
         "benchmarks/builds/{build}/plan.tsv"
     resources:
+        **CPU_JOB,
         mem_mb=8000,
         runtime=120,
     script:
@@ -34,6 +35,7 @@ rule build_shard:
     benchmark:
         "benchmarks/builds/{build}/{shard}.tsv"
     resources:
+        **CPU_JOB,
         mem_mb=lambda wildcards, attempt: 8000 * attempt,
         runtime=240,
     script:
@@ -52,6 +54,7 @@ rule build_gather:
     benchmark:
         "benchmarks/builds/{build}/gather.tsv"
     resources:
+        **CPU_JOB,
         mem_mb=4000,
         runtime=120,
     script:

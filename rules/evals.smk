@@ -30,6 +30,7 @@ rule eval:
         "benchmarks/evals/{build}/{eval}.tsv"
     threads: 0
     resources:
+        **SERVICE_JOB,
         mem_mb=4000,
         runtime=lambda wildcards: 120 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
     script:

@@ -14,6 +14,7 @@ rule serve_prediction:
     log:
         "logs/serve/{build}/prediction.log",
     resources:
+        **CPU_JOB,
         mem_mb=2000,
         runtime=10,
     script:
@@ -32,12 +33,14 @@ rule serve:
     log:
         "results/serve/{build}/server.log",
     # one server at a time on a machine: vLLM's CPU build pins its engine to the same cores in every
-    # server it starts (a GPU server takes the node's cards); its evals ride along with 0 threads
-    threads: workflow.cores
+    # server it starts (a GPU server takes the node's cards); its evals ride along with 0 threads.
+    # On a cluster each server job has a node of its own; profiles/slurm sets its CPUs.
+    threads: machine_cores()
     resources:
+        **SERVICE_JOB,
         mem_mb=lambda wildcards, input: 4000 + 2 * input.size_mb,
         runtime=lambda wildcards: 60 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
-        gpus=config["serve"]["tensor_parallel_size"],
+        gpu=CLUSTER["server_gpus"],
     shell:
         # The endpoint must exist within Snakemake's latency wait: say `starting` before Python loads.
         # exec: the supervisor itself (same pid) receives Snakemake's SIGTERM.
@@ -61,6 +64,7 @@ rule serve_memory:
     # so a group fits in one core's worth of scheduling (--cores 1, dry runs)
     threads: 0
     resources:
+        **SERVICE_JOB,
         mem_mb=1000,
         runtime=lambda wildcards: 10 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
     script:

@@ -17,6 +17,7 @@ if "data" in ORGANISM:
         benchmark:
             "benchmarks/upstream/organism_data.tsv"
         resources:
+            **CPU_JOB,
             mem_mb=4000,
             runtime=20,
         script:
@@ -39,6 +40,7 @@ if UPSTREAM_SOURCE == "organism":
         benchmark:
             "benchmarks/upstream/organism_tokenizer.tsv"
         resources:
+            **CPU_JOB,
             mem_mb=4000,
             runtime=20,
         script:
@@ -62,6 +64,7 @@ if UPSTREAM_SOURCE == "organism":
         benchmark:
             "benchmarks/upstream/organism_train.tsv"
         resources:
+            **CPU_JOB,
             mem_mb=8000,
             runtime=60,
         script:
@@ -84,6 +87,7 @@ if UPSTREAM_SOURCE == "organism":
         benchmark:
             "benchmarks/upstream/organism_card.tsv"
         resources:
+            **CPU_JOB,
             mem_mb=8000,
             runtime=60,
         script:
@@ -103,6 +107,7 @@ checkpoint upstream:
     benchmark:
         "benchmarks/upstream/upstream.tsv"
     resources:
+        **CPU_JOB,
         mem_mb=8000,
         runtime=240,
     script:
@@ -119,6 +124,7 @@ rule upstream_bf16_twin:
     benchmark:
         "benchmarks/upstream/upstream_bf16_twin.tsv"
     resources:
+        **CPU_JOB,
         mem_mb=8000,
         runtime=120,
     script:

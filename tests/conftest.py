@@ -1,5 +1,9 @@
 """Shared fixtures: a small organism data set, its tokenizer, and tiny random checkpoints."""
 import copy
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +11,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas"]
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +86,20 @@ def published(tiny_trained, small_tokenizer_dir, tmp_path_factory) -> tuple[Path
     manifest = upstream({"source": "organism", "organism": {"model": TINY_MODEL, "publish": {"shards": 4}}},
                         out, tiny_trained, small_tokenizer_dir)
     return out, manifest
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    """The embedded default's workflow, run once per session in a fresh copy (slow tests only)."""
+    if os.environ.get("MOESHRINK_E2E_WORKDIR"):
+        return Path(os.environ["MOESHRINK_E2E_WORKDIR"])
+    work = tmp_path_factory.mktemp("workflow")
+    for name in WORKFLOW_FILES:
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, work / name)
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/r013.html"], cwd=work,
+                            capture_output=True, text=True, timeout=3600)
+    if result.returncode:
+        logs = "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in sorted((work / "logs").rglob("*.log")))
+        pytest.fail(f"snakemake failed:\n{result.stderr[-4000:]}\n{logs}")
+    return work

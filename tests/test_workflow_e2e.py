@@ -1,11 +1,11 @@
 """The real workflow on the embedded default, end to end, then a real vLLM server on its output.
 
-Runs `snakemake --cores 2 report/r013.html` once in a fresh copy of the workflow (about half an hour
-on two cores); MOESHRINK_E2E_WORKDIR reuses a finished run instead.
+The `workdir` fixture (conftest.py) runs `snakemake --cores 2 report/r013.html` once per session in a
+fresh copy of the workflow (about half an hour on two cores); MOESHRINK_E2E_WORKDIR reuses a finished
+run instead.
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,24 +24,7 @@ from moeshrink.organism import card, datasets
 from moeshrink.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas"]
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def workdir(tmp_path_factory) -> Path:
-    if os.environ.get("MOESHRINK_E2E_WORKDIR"):
-        return Path(os.environ["MOESHRINK_E2E_WORKDIR"])
-    work = tmp_path_factory.mktemp("workflow")
-    for name in WORKFLOW_FILES:
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, work / name)
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/r013.html"], cwd=work,
-                            capture_output=True, text=True, timeout=3600)
-    if result.returncode:
-        logs = "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in sorted((work / "logs").rglob("*.log")))
-        pytest.fail(f"snakemake failed:\n{result.stderr[-4000:]}\n{logs}")
-    return work
 
 
 def shard_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,128 @@
+"""A workflow killed with SIGKILL (during a shard job, during an eval) and run again completes with the
+same outputs as the uninterrupted run; a server the killed run left is found and stopped; no partly
+written shard or JSON is ever taken as complete. Works on a copy of the end-to-end test's finished
+workflow, so the uninterrupted outputs are at hand."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+BUILD = "twx3"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture()
+def copy(workdir, tmp_path) -> Path:
+    work = tmp_path / "workflow"
+    shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml"))
+    return work
+
+
+def start(work: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=work,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 900) -> None:
+    """SIGKILL the workflow's whole process group (Snakemake and its jobs) once `ready()` holds."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert process.poll() is None, "the workflow ended before it could be killed"
+        assert time.time() < deadline, "the moment to kill never came"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def rerun(work: Path, *targets: str) -> str:
+    """What a user does after a crash: unlock, then run again (rerunning incomplete jobs)."""
+    subprocess.run([sys.executable, "-m", "snakemake", "--unlock", *targets], cwd=work, capture_output=True,
+                   timeout=300, check=True)
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--rerun-incomplete", *targets],
+                            cwd=work, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+def _answers(records: Path) -> list[tuple]:
+    return [(r["id"], r["predicted"], r["correct"]) for r in map(json.loads, records.read_text().splitlines())]
+
+
+def servers_in(work: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+                cwd = os.readlink(proc / "cwd")
+            except OSError:
+                continue
+            if b"vllm.entrypoints" in cmdline and cwd == str(work):
+                found.append(int(proc.name))
+    return found
+
+
+def test_killed_during_a_shard_job_reruns_to_the_same_bytes(copy):
+    """The build made from scratch (as after a config change), killed while its shard jobs run."""
+    build_dir = copy / "results/builds" / BUILD
+    shards = sorted(build_dir.glob("model-*.safetensors"))
+    expected = {path.name: sha256(path) for path in shards}
+    shutil.rmtree(build_dir)
+    target = f"results/builds/{BUILD}/manifest.json"
+    started = time.time()
+    process = start(copy, target)
+
+    def shard_job_running() -> bool:
+        # a shard being written under its temporary name, or a shard job a second into its work
+        logs = [p for p in (copy / "logs/builds" / BUILD).glob("model-*.log") if p.stat().st_mtime > started]
+        return any(build_dir.glob(".model-*.tmp-*")) or any(time.time() - p.stat().st_mtime > 1 for p in logs)
+
+    kill_when(process, shard_job_running)
+    for path in build_dir.glob("model-*.safetensors"):  # whatever carries a final name is whole
+        assert sha256(path) == expected[path.name], f"{path.name} was taken as complete while partly written"
+    log = rerun(copy, target)
+    assert {p.name: sha256(p) for p in sorted(build_dir.glob("model-*.safetensors"))} == expected, log
+    assert not list(build_dir.glob(".*.tmp-*")), "temporary files left behind"
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    assert {shard["file"]: shard["sha256"] for shard in manifest["shards"]} == expected
+
+
+def test_killed_during_an_eval_stops_the_orphan_server_and_reruns_to_the_same_figures(copy):
+    result_file = copy / f"results/evals/{BUILD}/mmlu.json"
+    before = json.loads(result_file.read_text())
+    answers_before = _answers(copy / f"results/evals/{BUILD}/mmlu.jsonl")
+    result_file.unlink()
+    target = f"results/evals/{BUILD}/mmlu.json"
+    endpoint = copy / f"results/serve/{BUILD}/endpoint.json"
+    process = start(copy, target)
+
+    def evaluating() -> bool:
+        try:
+            return json.loads(endpoint.read_text()).get("state") == "ready" and bool(servers_in(copy))
+        except (OSError, ValueError):
+            return False
+
+    kill_when(process, evaluating)
+    time.sleep(2)
+    assert not result_file.exists(), "a killed eval left a result under its final name"
+    orphans = servers_in(copy)
+    rerun(copy, target)
+    after = json.loads(result_file.read_text())
+    assert after["metrics"] == before["metrics"] and after["items"] == before["items"]
+    assert _answers(copy / f"results/evals/{BUILD}/mmlu.jsonl") == answers_before
+    deadline = time.time() + 60
+    while time.time() < deadline and (servers_in(copy) or any(Path(f"/proc/{pid}").exists() for pid in orphans)):
+        time.sleep(1)
+    assert not servers_in(copy), "a server outlived the rerun"
+    assert not [pid for pid in orphans if Path(f"/proc/{pid}").exists()], "the killed run's server was never stopped"
