@@ -107,7 +107,8 @@ def rate_text(figure: dict | None) -> str:
 def points(value: float | None, signed: bool = True) -> str:
     if value is None:
         return "-"
-    return f"{value:+.1f}" if signed else f"{value:.1f}"
+    value = round(value, 1) + 0.0  # no "-0.0"
+    return f"{value:+.1f}" if signed and value else f"{value:.1f}"
 
 
 def p_text(p_value: float | None) -> str:
