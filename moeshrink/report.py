@@ -14,9 +14,9 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
 from moeshrink import charts
-from moeshrink.evals import configured_evals, eval_builds
 from moeshrink.ioutil import atomic_write_text, read_json
 from moeshrink.provenance import Provenance, config_hash
+from moeshrink.report_inputs import input_files
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "report" / "templates"
 GB = 1e9
@@ -43,6 +43,7 @@ class Results:
 
 
 def load(inputs: dict[str, Path], config: dict) -> Results:
+    check_complete(inputs, config)
     results = Results(upstream=read_json(inputs["upstream"]), files={k: str(v) for k, v in inputs.items()})
     for key, path in inputs.items():
         kind, _, rest = key.partition("_")
@@ -62,26 +63,12 @@ def load(inputs: dict[str, Path], config: dict) -> Results:
             results.pairs.append(read_json(path))
     results.card = read_json(inputs["card"]) if "card" in inputs else None
     results.train = read_json(inputs["train"]) if "train" in inputs else None
-    check_complete(results, config)
     return results
 
 
-def check_complete(results: Results, config: dict) -> None:
+def check_complete(inputs: dict[str, Path], config: dict) -> None:
     """Every build config declares has its manifest, memory, evals and comparison."""
-    missing = []
-    reference = config["reference_build"]
-    for build_id in config["builds"]:
-        for name, found in (("results/builds/{}/manifest.json", results.manifests),
-                            ("results/serve/{}/memory.json", results.memory),
-                            ("results/serve/{}/prediction.json", results.predictions)):
-            if build_id not in found:
-                missing.append(name.format(build_id))
-        if build_id != reference and configured_evals(config) and build_id not in results.compare:
-            missing.append(f"results/compare/{build_id}.json")
-    for eval_id in configured_evals(config):
-        for build_id in eval_builds(config, eval_id):
-            if eval_id not in results.evals.get(build_id, {}):
-                missing.append(f"results/evals/{build_id}/{eval_id}.json")
+    missing = [path for key, path in input_files(config).items() if key not in inputs]
     if missing:
         raise ReportError("the report needs every configured build's results; missing: " + ", ".join(missing))
 
@@ -414,7 +401,7 @@ def context(results: Results, config: dict, benchmark_dir: Path) -> dict:
         "memory_reference": reference_memory, "charts": page.charts(),
         "pruned": page.pruned_sections(), "serving_flags": page.serving_flags(),
         "stage_times": stage_times(benchmark_dir),
-        "eval_counts": eval_counts(results, page.reference), "evals": results.evals,
+        "eval_counts": eval_counts(results, page.reference),
         "files": results.files,
     }
 

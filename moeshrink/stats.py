@@ -57,11 +57,6 @@ def percentiles(values: Sequence[float], points: Sequence[float] = (50, 90, 99))
 Z95_ONE_SIDED = 1.6448536269514722
 
 
-def _log_binom_pmf(k: int, n: int) -> float:
-    """log P(X = k) for X ~ Binomial(n, 1/2)."""
-    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) - n * math.log(2)
-
-
 def mcnemar_exact(only_a: int, only_b: int) -> float:
     """Exact McNemar test, two-sided: the binomial test of the discordant pairs against 1/2 (items
     right only for A vs right only for B). 1.0 when there is no discordant pair."""
@@ -70,7 +65,8 @@ def mcnemar_exact(only_a: int, only_b: int) -> float:
     if discordant == 0:
         return 1.0
     smaller = min(only_a, only_b)
-    tail = sum(math.exp(_log_binom_pmf(k, discordant)) for k in range(smaller + 1))
+    # P(X <= smaller) for X ~ Binomial(discordant, 1/2)
+    tail = sum(math.exp(_log_comb(discordant, k) - discordant * math.log(2)) for k in range(smaller + 1))
     return min(1.0, 2 * tail)
 
 
@@ -103,13 +99,11 @@ def fisher_exact(bad_a: int, total_a: int, bad_b: int, total_b: int) -> float:
     bad = bad_a + bad_b
     low, high = max(0, bad - total_b), min(bad, total_a)
 
-    def log_p(x: int) -> float:
-        return (_log_comb(total_a, x) + _log_comb(total_b, bad - x) - _log_comb(total_a + total_b, bad))
-
-    observed = log_p(bad_a)
+    log_p = {x: _log_comb(total_a, x) + _log_comb(total_b, bad - x) - _log_comb(total_a + total_b, bad)
+             for x in range(low, high + 1)}
     # scipy's tolerance: tables within a relative 1e-7 of the observed probability count as "as extreme"
-    threshold = observed + math.log1p(1e-7)
-    return min(1.0, sum(math.exp(log_p(x)) for x in range(low, high + 1) if log_p(x) <= threshold))
+    threshold = log_p[bad_a] + math.log1p(1e-7)
+    return min(1.0, sum(math.exp(value) for value in log_p.values() if value <= threshold))
 
 
 def _log_comb(n: int, k: int) -> float:

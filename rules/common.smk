@@ -6,6 +6,7 @@ import sys
 
 from moeshrink.compare import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
+from moeshrink.report_inputs import input_files as report_input_files
 
 BUILD_IDS = list(config["builds"])
 EVAL_IDS = configured_evals(config)
@@ -75,21 +76,8 @@ def upstream_inputs(wildcards):
 
 
 def report_inputs(wildcards):
-    """What the report shows: every stage that exists so far."""
-    inputs = {"upstream": "results/upstream/manifest.json"}
-    inputs.update({f"build_{build}": f"results/builds/{build}/manifest.json" for build in BUILD_IDS})
-    inputs.update({f"memory_{build}": f"results/serve/{build}/memory.json" for build in BUILD_IDS})
-    inputs.update({f"prediction_{build}": f"results/serve/{build}/prediction.json" for build in BUILD_IDS})
-    inputs.update({f"eval_{build}_{eval_id}": f"results/evals/{build}/{eval_id}.json"
-                   for eval_id in EVAL_IDS for build in eval_builds(eval_id)})
-    if EVAL_IDS:
-        inputs.update({f"compare_{build}": f"results/compare/{build}.json" for build in BUILD_IDS
-                       if build != REFERENCE_BUILD})
-        inputs.update({f"pair_{a}_vs_{b}": f"results/compare/pairs/{a}_vs_{b}.json" for a, b in compare_pairs()})
-    if UPSTREAM_SOURCE == "organism":
-        inputs["card"] = "results/upstream/organism_card.json"
-        inputs["train"] = f"{ORGANISM_TRAINED}/train.json"
-    return inputs
+    """What the report shows: every stage's result for every build."""
+    return report_input_files(config)
 
 
 def upstream_shards():
@@ -163,7 +151,3 @@ def compare_inputs(wildcards):
 def compare_pair_inputs(wildcards):
     eval_ids = [e for e in compared_evals(wildcards.a, wildcards.b) if e != "agreement"]
     return {**compare_side_inputs("a", wildcards.a, eval_ids), **compare_side_inputs("b", wildcards.b, eval_ids)}
-
-
-def compare_pairs():
-    return [tuple(pair) for pair in config["compare"]["pairs"]]

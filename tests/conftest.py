@@ -14,6 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas"]
 
 
+def copy_workflow(work: Path, *extra: str) -> Path:
+    """A fresh copy of the workflow's files (and `extra` ones, e.g. profiles) in `work`."""
+    work.mkdir(parents=True, exist_ok=True)
+    for name in [*WORKFLOW_FILES, *extra]:
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, work / name)
+    return work
+
+
 @pytest.fixture(scope="session")
 def default_config() -> dict:
     return yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -93,10 +102,7 @@ def workdir(tmp_path_factory) -> Path:
     """The embedded default's workflow, run once per session in a fresh copy (slow tests only)."""
     if os.environ.get("MOESHRINK_E2E_WORKDIR"):
         return Path(os.environ["MOESHRINK_E2E_WORKDIR"])
-    work = tmp_path_factory.mktemp("workflow")
-    for name in WORKFLOW_FILES:
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, work / name)
+    work = copy_workflow(tmp_path_factory.mktemp("workflow"))
     result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/r013.html"], cwd=work,
                             capture_output=True, text=True, timeout=3600)
     if result.returncode:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import copy_workflow
+
 ROOT = Path(__file__).resolve().parent.parent
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "profiles"]
 BUILD = "original"
 EVAL_IDS = ["mmlu", "gsm8k", "facts", "toolcalls", "agreement"]
 pytestmark = pytest.mark.slow
@@ -56,11 +57,7 @@ def slurm_config() -> dict:
 
 
 def test_one_build_served_and_evaluated_through_sbatch(cluster, tmp_path):
-    work = tmp_path / "workflow"
-    work.mkdir()
-    for name in WORKFLOW_FILES:
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, work / name)
+    work = copy_workflow(tmp_path / "workflow", "profiles")
     (work / "slurm.yaml").write_text(yaml.safe_dump(slurm_config(), sort_keys=False))
     targets = [f"results/serve/{BUILD}/memory.json", *[f"results/evals/{BUILD}/{e}.json" for e in EVAL_IDS]]
     started = datetime.now().strftime("%Y-%m-%dT%H:%M:%S")

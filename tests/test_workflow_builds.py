@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_workflow
 from moeshrink.ioutil import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas"]
 BUILDS = ["original", "pruned75", "reap50", "twx3", "twx2_5"]
 
 
@@ -21,10 +21,7 @@ def snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def fresh_run(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("tiny")
-    for name in WORKFLOW_FILES:
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, work / name)
+    work = copy_workflow(tmp_path_factory.mktemp("tiny"))
     shutil.copyfile(ROOT / "tests/configs/tiny.yaml", work / "tiny.yaml")
     result = snakemake(work, *[f"results/builds/{b}/manifest.json" for b in BUILDS])
     if result.returncode:

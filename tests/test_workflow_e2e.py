@@ -347,24 +347,6 @@ def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):
         assert "pass" not in pair["evals"]["mmlu"] and "agreement" not in pair["evals"]
 
 
-def _report_inputs(workdir: Path, config: dict) -> dict[str, Path]:
-    """The files the report rule reads for this config (rules/common.smk: report_inputs)."""
-    inputs = {"upstream": "results/upstream/manifest.json", "card": "results/upstream/organism_card.json",
-              "train": "results/organism/trained/train.json"}
-    for build in config["builds"]:
-        inputs.update({f"build_{build}": f"results/builds/{build}/manifest.json",
-                       f"memory_{build}": f"results/serve/{build}/memory.json",
-                       f"prediction_{build}": f"results/serve/{build}/prediction.json"})
-        for eval_id in config["evals"]:
-            if eval_id != "client" and (workdir / f"results/evals/{build}/{eval_id}.json").exists():
-                inputs[f"eval_{build}_{eval_id}"] = f"results/evals/{build}/{eval_id}.json"
-        if build != config["reference_build"]:
-            inputs[f"compare_{build}"] = f"results/compare/{build}.json"
-    for a, b in config["compare"]["pairs"]:
-        inputs[f"pair_{a}_vs_{b}"] = f"results/compare/pairs/{a}_vs_{b}.json"
-    return {key: workdir / path for key, path in inputs.items()}
-
-
 def _browser_or_skip():
     from headless import browser_path, require_browser
 
@@ -407,7 +389,7 @@ def test_report_escapes_labels_and_names_a_missing_build(workdir, tmp_path):
     markup = '<script>console.error("injected")</script><b>TWX3</b> & co'
     config["builds"]["twx3"]["label"] = markup
     config["title"] = "<i>R-013</i>"
-    inputs = _report_inputs(workdir, config)
+    inputs = {key: workdir / path for key, path in report.input_files(config).items()}
     out = tmp_path / "escaped.html"
     report.render(inputs, config, out, benchmark_dir=workdir / "benchmarks")
     page = check_page(out, tmp_path / "escaped.png")
