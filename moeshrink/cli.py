@@ -32,7 +32,10 @@ def cmd_upstream(args) -> int:
         data, tokenizer, trained = results / "organism/data", results / "organism/tokenizer", results / "organism/trained"
         stages.organism_data(organism["data"], data)
         stages.organism_tokenizer(organism["tokenizer"], data, tokenizer)
-        stages.organism_train(organism["model"], organism["train"], data, tokenizer, trained)
+        if organism["train"]["from"] == "shipped":
+            stages.organism_shipped(organism, Path(organism["train"]["shipped"]), tokenizer, trained)
+        else:
+            stages.organism_train(organism["model"], organism["train"], data, tokenizer, trained)
         stages.upstream(upstream_cfg, results / "upstream", trained, tokenizer, args.workers)
         stages.bf16_twin(results / "upstream", results / "upstream-bf16")
         stages.organism_card(organism["card"], trained, tokenizer, results / "upstream-bf16", data,
@@ -40,6 +43,19 @@ def cmd_upstream(args) -> int:
     else:
         stages.upstream(upstream_cfg, results / "upstream", workers=args.workers)
     print(json.dumps({"manifest": str(results / "upstream/manifest.json")}))
+    return 0
+
+
+def cmd_ship_organism(args) -> int:
+    """Write the shipped organism (organism/shipped) from a finished training run with this config's
+    recipe: done once, by hand, after `upstream.organism.train.from: scratch`."""
+    from moeshrink.ioutil import read_json
+    from moeshrink.organism import shipped
+
+    organism = _load(args.config)["upstream"]["organism"]
+    trained = Path(args.trained)
+    record = shipped.ship(trained, Path(args.tokenizer), read_json(trained / "train.json"), organism, Path(args.out))
+    print(json.dumps({k: record[k] for k in ("recipe_sha256_16", "model_sha256", "train_seconds", "steps")}))
     return 0
 
 
@@ -143,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default="results")
     p.add_argument("--workers", type=int, default=2, help="parallel sha256 workers")
     p.set_defaults(func=cmd_upstream)
+
+    p = sub.add_parser("ship-organism", help="write the shipped organism from a finished training run "
+                                             "(results/organism/trained after train.from: scratch)")
+    p.add_argument("--config", default="config.yaml")
+    p.add_argument("--trained", default="results/organism/trained")
+    p.add_argument("--tokenizer", default="results/organism/tokenizer/tokenizer.json")
+    p.add_argument("--out", default="organism/shipped")
+    p.set_defaults(func=cmd_ship_organism)
 
     p = sub.add_parser("twin", help="decode an MXFP4 checkpoint folder into its exact bf16 twin")
     p.add_argument("--input", required=True)

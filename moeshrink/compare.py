@@ -3,8 +3,9 @@
 (two builds against each other) hold.
 
 Knowledge and arithmetic (mmlu, gsm8k) are paired question by question: counts right only for each side,
-exact McNemar, the drop in points and its one-sided 95% upper bound ("at worst"), and, against the
-reference, pass or fail against the pass mark the config fixed before the run. Made-up facts and tool
+exact McNemar, the drop in points and its one-sided 95% upper bound ("at worst"), the smallest drop
+the comparison could detect, and, against the reference, a verdict on the pass mark the config fixed
+before the run: pass, fail, or cannot tell (with the reason) when the data cannot support either. Made-up facts and tool
 calls are independent samples: Fisher's exact test on the counts. Agreement and drift are already
 measured against the reference by the agreement eval; they are carried over with their intervals.
 """
@@ -60,15 +61,68 @@ def paired_accuracy(eval_id: str, a_id: str, a_records: dict[str, dict], b_id: s
         "accuracy_a": stats.rate_with_ci(counts["both_right"] + counts["only_a"], n),
         "accuracy_b": stats.rate_with_ci(counts["both_right"] + counts["only_b"], n),
         **stats.paired_drop(n, counts["only_a"], counts["only_b"]),
+        "minimum_detectable_drop_points": stats.min_detectable_drop(n, counts["only_a"], counts["only_b"]),
+        "minimum_detectable_drop_method": "one-sided 5% level, 80% power; Connor's normal approximation for "
+                                          "McNemar's test at the observed discordance",
         "p_value": stats.mcnemar_exact(counts["only_a"], counts["only_b"]),
         "test": "exact McNemar, two-sided (binomial test of the discordant pairs)",
     }
 
 
-def judge(paired: dict, pass_mark_points: float, pass_on: str) -> dict:
-    """Pass when the drop (or its at-worst bound, as config says) is at most the pass mark."""
-    measured = paired["drop_points"] if pass_on == "drop" else paired["at_worst_points"]
-    return {"pass_mark_points": pass_mark_points, "pass_on": pass_on, "pass": measured <= pass_mark_points}
+VERDICTS = ("pass", "fail", "cannot tell")
+SIGNIFICANCE = 0.05
+RESOLUTION_FACTOR = 2  # a comparison judges a mark only if it could detect a loss of twice the mark
+
+
+def chance_rate(records: dict[str, dict]) -> float:
+    """What guessing scores: 1 / choices for multiple choice (records with per-choice
+    log-likelihoods), 0 for free-form answers."""
+    choices = [len(r["loglikelihoods"]) for r in records.values() if r.get("loglikelihoods")]
+    return sum(1 / c for c in choices) / len(choices) if choices else 0.0
+
+
+def judge(paired: dict, pass_mark_points: float, pass_on: str, chance: float) -> dict:
+    """pass, fail or cannot tell, with the reason, against the pass mark fixed in config.
+
+    - cannot tell, whatever the rule: the reference's accuracy is not above chance by more than the
+      mark (its 95% lower bound <= chance + mark): a build cannot lose what the reference never had;
+    - pass_on at_worst: pass when the one-sided 95% upper bound of the drop is within the mark, fail
+      when the drop itself is beyond it, cannot tell when the two lie on opposite sides of it;
+    - pass_on drop: fail when the drop is beyond the mark, pass when it is within; but cannot tell
+      when the comparison could not have detected a loss of twice the mark (minimum detectable
+      drop, one-sided 5%, 80% power) and its McNemar test finds no significant difference."""
+    drop, at_worst = paired["drop_points"], paired["at_worst_points"]
+    detectable = paired["minimum_detectable_drop_points"]
+    reference = paired["accuracy_a"]
+    floor = 100 * chance + pass_mark_points
+    mark = f"the pass mark ({pass_mark_points:g} point{'' if pass_mark_points == 1 else 's'})"
+    if 100 * reference["ci95"][0] <= floor:
+        verdict, reason = "cannot tell", (
+            f"the reference's accuracy ({100 * reference['value']:.1f}%, 95% lower bound "
+            f"{100 * reference['ci95'][0]:.1f}%) is not above chance ({100 * chance:.1f}%) by more than {mark}: "
+            "a build cannot lose what the reference never had")
+    elif pass_on == "at_worst":
+        if at_worst <= pass_mark_points:
+            verdict, reason = "pass", f"at worst {at_worst:.2f} points lost, within {mark}"
+        elif drop > pass_mark_points:
+            verdict, reason = "fail", f"{drop:.2f} points lost, beyond {mark}"
+        else:
+            verdict, reason = "cannot tell", (
+                f"the drop ({drop:.2f} points) is within {mark} but its one-sided 95% upper bound "
+                f"({at_worst:.2f}) is not: too few items to judge the mark")
+    else:
+        unresolved = detectable > RESOLUTION_FACTOR * pass_mark_points and paired["p_value"] >= SIGNIFICANCE
+        if unresolved:
+            verdict, reason = "cannot tell", (
+                f"the drop ({drop:.2f} points, McNemar p = {paired['p_value']:.2g}) cannot be told from noise: "
+                f"these items could only detect a loss of {detectable:.1f} points (one-sided 5%, 80% power), "
+                f"more than {RESOLUTION_FACTOR} x {mark}")
+        elif drop > pass_mark_points:
+            verdict, reason = "fail", f"{drop:.2f} points lost, beyond {mark}"
+        else:
+            verdict, reason = "pass", f"{drop:.2f} points lost, within {mark}"
+    return {"pass_mark_points": pass_mark_points, "pass_on": pass_on, "chance_rate": chance,
+            "verdict": verdict, "verdict_reason": reason}
 
 
 def count_difference(bad_a: int, total_a: int, bad_b: int, total_b: int) -> dict:
@@ -119,7 +173,8 @@ def compare(a_id: str, b_id: str, a_results: dict[str, dict], b_results: dict[st
         if eval_id in a_records and eval_id in b_records:
             paired = paired_accuracy(eval_id, a_id, a_records[eval_id], b_id, b_records[eval_id])
             if judging:
-                paired.update(judge(paired, judging["pass_mark_points"], judging["pass_on"]))
+                paired.update(judge(paired, judging["pass_mark_points"], judging["pass_on"],
+                                    chance_rate(a_records[eval_id])))
             evals[eval_id] = paired
     if "facts" in a_results and "facts" in b_results:
         evals["facts"] = made_up_facts(a_results["facts"], b_results["facts"])

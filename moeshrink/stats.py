@@ -90,6 +90,32 @@ def paired_drop(n: int, only_ref: int, only_build: int) -> dict:
                       "Agresti-Min adjusted Wald (z = 1.645)"}
 
 
+Z80 = 0.8416212335729143  # one-sided quantile for 80% power
+
+
+def min_detectable_drop(n: int, only_ref: int, only_build: int, z_alpha: float = Z95_ONE_SIDED,
+                        z_power: float = Z80) -> float:
+    """The smallest loss, in points, a paired comparison of n items would detect with a one-sided
+    test at the 5% level and 80% power, given its discordance. Connor's (1987) normal approximation
+    for McNemar's test, n = (z_a sqrt(psi) + z_b sqrt(psi - d^2))^2 / d^2, solved for d; the
+    discordant share psi is estimated as (b + c + 1) / (n + 2) (finite with no disagreement) and is
+    at least d, since a loss of d points makes at least d of the items disagree."""
+    _check_counts(n=n, only_ref=only_ref, only_build=only_build)
+    if n == 0:
+        raise ValueError("no paired item: nothing could be detected")
+    observed = (only_ref + only_build + 1) / (n + 2)
+
+    def margin(d: float) -> float:  # > 0 while d is still too small to detect
+        psi = max(observed, d)
+        return z_alpha * math.sqrt(psi) + z_power * math.sqrt(max(0.0, psi - d * d)) - d * math.sqrt(n)
+
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if margin(middle) > 0 else (low, middle)
+    return 100 * high
+
+
 def fisher_exact(bad_a: int, total_a: int, bad_b: int, total_b: int) -> float:
     """Fisher's exact test, two-sided, on the 2x2 table [[bad_a, total_a - bad_a], [bad_b, total_b - bad_b]]:
     the probability, with all margins fixed, of a table no more likely than the one observed."""

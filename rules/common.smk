@@ -23,6 +23,19 @@ ORGANISM_DATA_FILES = [
 ]
 ORGANISM_TOKENIZER = "results/organism/tokenizer"
 ORGANISM_TRAINED = "results/organism/trained"
+SHIPPED_FILES = ["model.safetensors", "config.json", "tokenizer.json", "train.json"]
+
+
+def organism_train_params():
+    """The training settings (which path, and where a shipped checkpoint lies, change nothing a run trains)."""
+    return {k: v for k, v in ORGANISM["train"].items() if k not in ("from", "shipped")}
+
+
+def organism_recipe_params():
+    """What the shipped checkpoint is checked against: the recipe it must have been trained with."""
+    from moeshrink.organism.shipped import recipe
+
+    return recipe(ORGANISM)
 
 
 wildcard_constraints:

@@ -29,6 +29,7 @@ if UPSTREAM_SOURCE == "organism":
     rule organism_tokenizer:
         input:
             corpus=f"{ORGANISM_DATA}/corpus.jsonl",
+            world=f"{ORGANISM_DATA}/world.json",
         output:
             tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
             tokenizer_config=f"{ORGANISM_TOKENIZER}/tokenizer_config.json",
@@ -47,28 +48,53 @@ if UPSTREAM_SOURCE == "organism":
             "../scripts/organism_tokenizer.py"
 
 
-    rule organism_train:
-        input:
-            corpus=f"{ORGANISM_DATA}/corpus.jsonl",
-            tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
-        output:
-            model=f"{ORGANISM_TRAINED}/model.safetensors",
-            config=f"{ORGANISM_TRAINED}/config.json",
-            record=f"{ORGANISM_TRAINED}/train.json",
-        params:
-            model=ORGANISM["model"],
-            train=ORGANISM["train"],
-        threads: ORGANISM["train"]["threads"]
-        log:
-            "logs/upstream/organism_train.log",
-        benchmark:
-            "benchmarks/upstream/organism_train.tsv"
-        resources:
-            **CPU_JOB,
-            mem_mb=8000,
-            runtime=60,
-        script:
-            "../scripts/organism_train.py"
+    if ORGANISM["train"]["from"] == "scratch":
+
+        rule organism_train:
+            input:
+                corpus=f"{ORGANISM_DATA}/corpus.jsonl",
+                world=f"{ORGANISM_DATA}/world.json",
+                tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
+            output:
+                model=f"{ORGANISM_TRAINED}/model.safetensors",
+                config=f"{ORGANISM_TRAINED}/config.json",
+                record=f"{ORGANISM_TRAINED}/train.json",
+            params:
+                model=ORGANISM["model"],
+                train=organism_train_params(),
+            threads: ORGANISM["train"]["threads"]
+            log:
+                "logs/upstream/organism_train.log",
+            benchmark:
+                "benchmarks/upstream/organism_train.tsv"
+            resources:
+                **CPU_JOB,
+                mem_mb=8000,
+                runtime=180,
+            script:
+                "../scripts/organism_train.py"
+
+    else:
+
+        # the checkpoint shipped in the repository, trained once with this recipe on the long budget
+        rule organism_shipped:
+            input:
+                shipped=expand(f"{ORGANISM['train']['shipped']}/{{name}}", name=SHIPPED_FILES),
+                tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
+            output:
+                model=f"{ORGANISM_TRAINED}/model.safetensors",
+                config=f"{ORGANISM_TRAINED}/config.json",
+                record=f"{ORGANISM_TRAINED}/train.json",
+            params:
+                organism=organism_recipe_params(),
+            log:
+                "logs/upstream/organism_shipped.log",
+            resources:
+                **CPU_JOB,
+                mem_mb=2000,
+                runtime=10,
+            script:
+                "../scripts/organism_shipped.py"
 
     rule organism_card:
         input:

@@ -1,5 +1,6 @@
 """Shared fixtures: a small organism data set, its tokenizer, and tiny random checkpoints."""
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas"]
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "organism"]
 
 
 def copy_workflow(work: Path, *extra: str) -> Path:
@@ -33,7 +34,7 @@ def small_data_cfg(default_config) -> dict:
     cfg = copy.deepcopy(default_config["upstream"]["organism"]["data"])
     cfg.update(people=24, cities=6, strangers=80)
     cfg["sets"].update(arith_test=20, arith_train=10, passages_test=10, toolcall_trials_per_case=3)
-    cfg["corpus"].update(bio=300, city=30, mc=40, arith=40, facts=40, toolcalls=20)
+    cfg["corpus"].update(bio=300, city=30, cloze=30, mc=40, mc_open=20, mc_bind=20, arith=40, facts=40, toolcalls=20, drill=300)
     return cfg
 
 
@@ -50,10 +51,12 @@ def small_data(small_data_cfg, tmp_path_factory) -> Path:
 def small_tokenizer_dir(small_data, tmp_path_factory) -> Path:
     from moeshrink.organism import datasets
     from moeshrink.organism.tokenizer import save_hf_tokenizer, train_tokenizer
+    from moeshrink.organism.world import World
 
     out = tmp_path_factory.mktemp("tokenizer")
     texts = [d["text"] for d in datasets.read_jsonl(small_data / datasets.CORPUS_FILE)]
-    save_hf_tokenizer(train_tokenizer(texts, 512), out, 1024)
+    world = World.from_json(json.loads((small_data / datasets.WORLD_FILE).read_text()))
+    save_hf_tokenizer(train_tokenizer(texts, 512, datasets.all_names(world)), out, 1024)
     return out
 
 

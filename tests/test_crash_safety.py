@@ -126,3 +126,42 @@ def test_killed_during_an_eval_stops_the_orphan_server_and_reruns_to_the_same_fi
         time.sleep(1)
     assert not servers_in(copy), "a server outlived the rerun"
     assert not [pid for pid in orphans if Path(f"/proc/{pid}").exists()], "the killed run's server was never stopped"
+
+
+def test_a_server_killed_mid_eval_fails_the_workflow_within_a_minute_naming_the_build(copy):
+    """The build's vLLM server dies while its evals run: every job of the group fails at once with a
+    message naming the build (never waiting out serve.startup_timeout_s), the workflow ends within a
+    minute, and what the group had finished (its memory.json) is kept."""
+    memory = copy / f"results/serve/{BUILD}/memory.json"
+    evals = [copy / f"results/evals/{BUILD}/{name}.json" for name in ("mmlu", "gsm8k", "toolcalls")]
+    for path in [memory, *evals]:
+        path.unlink()
+    endpoint = copy / f"results/serve/{BUILD}/endpoint.json"
+    output = copy / "snakemake.out"
+    with open(output, "w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", str(memory.relative_to(copy)),
+                                    *[str(p.relative_to(copy)) for p in evals]], cwd=copy, stdout=sink,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while not memory.exists():
+            assert process.poll() is None, output.read_text()[-3000:]
+            assert time.time() < deadline, "the build was never served"
+            time.sleep(0.5)
+        time.sleep(5)  # the evals are sending requests now
+        server_pid = json.loads(endpoint.read_text())["server_pid"]
+        os.killpg(server_pid, signal.SIGKILL)
+        killed = time.time()
+        process.wait(timeout=300)
+        elapsed = time.time() - killed
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = output.read_text()
+    assert process.returncode != 0, text[-3000:]
+    assert elapsed < 60, f"the workflow took {elapsed:.0f} s to end after the server died"
+    logs = "".join(p.read_text() for p in (copy / f"logs/evals/{BUILD}").glob("*.log"))
+    assert f"the vLLM server of build {BUILD!r}" in logs or f"build {BUILD!r}" in logs, logs[-3000:]
+    assert f"build={BUILD}" in text
+    assert memory.exists(), "the group's finished memory.json was removed when the group failed"
+    assert not servers_in(copy)

@@ -2,6 +2,7 @@
 request pool's retries (against a local HTTP server), and lm-eval's rendering of the organism tasks."""
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import threading
@@ -205,3 +206,63 @@ def test_organism_tasks_render_as_lm_eval_renders_mmlu_and_gsm8k(tmp_path):
     doc = next(d for d in gsm_task.test_docs())
     expected = tasks.gsm8k_block(arith[:5]) + "\n\n" + f"Question: {doc['question']}\nAnswer:"
     assert gsm_task.fewshot_context(doc, 5) == expected
+
+
+class _NonFinite(BaseHTTPRequestHandler):
+    """Stands in for vLLM serving a build that computes NaN from prompt position `bad_position` on
+    and for every generated token from `bad_generated` on: like vLLM, it cannot encode such a reply."""
+    bad_position = 7
+    bad_generated = 3
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body.get("prompt") or []
+        nan = ((body.get("prompt_logprobs") is not None or body.get("echo")) and len(prompt) > self.bad_position) or \
+            (bool(body.get("logprobs")) and body.get("max_tokens", 0) > self.bad_generated)
+        if nan and body.get("note") != "fine":
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": {"message": "Out of range float values are not JSON compliant",
+                                                   "type": "BadRequestError", "code": 400}}).encode())
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"choices": []}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def nonfinite_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NonFinite)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_nonfinite_values_fail_the_eval_naming_build_item_and_position(nonfinite_server):
+    """All items are read; those the server could not encode are counted and located (prompt
+    position by shorter prefixes, generated token by fewer tokens), never a bare JSON error."""
+    pool = RequestPool(ServerClient(nonfinite_server, "key"), concurrency=4, retries=2, timeout_s=5, backoff_s=0.01,
+                       label="pruned75/agreement")
+    prompts = [("passage-1", {"prompt": list(range(100, 146)), "max_tokens": 1, "prompt_logprobs": 1}),
+               ("passage-2", {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 1, "note": "fine"}),
+               ("passage-3", {"prompt": list(range(10)), "max_tokens": 1, "prompt_logprobs": 100})]
+    with pytest.raises(EvalError, match=r"pruned75/agreement: 2 of 3 item\(s\) got non-finite log-probabilities.*"
+                                        r"passage-1 at prompt position 7 \(token id 107\); passage-3 at prompt "
+                                        r"position 7 \(token id 7\)"):
+        pool.map("/v1/completions", prompts)
+    chat = RequestPool(ServerClient(nonfinite_server, "key"), 2, 0, 5, 0.01, label="twx3/facts")
+    with pytest.raises(EvalError, match=r"twx3/facts: 1 of 1 item\(s\).*fact-9 at generated token 3"):
+        chat.map("/v1/chat/completions", [("fact-9", {"messages": [], "max_tokens": 160, "logprobs": True})])
+
+
+def test_every_eval_asks_for_the_logprobs_the_check_needs():
+    from moeshrink.evals import facts, finite, toolcalls
+
+    assert inspect.getsource(facts.run).count("finite.CHAT_LOGPROBS") == 1
+    assert inspect.getsource(toolcalls.run).count("finite.CHAT_LOGPROBS") == 1
+    assert agreement.request("m", [1, 2], 5)["prompt_logprobs"] == 5
+    assert finite.CHAT_LOGPROBS == {"logprobs": True}

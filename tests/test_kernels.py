@@ -235,3 +235,24 @@ def test_mxfp4_loader_places_gate_up_and_down(plugin):
     got = mxfp4_routed_experts(x, topk_weights, topk_ids, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
                                layer.w2_weight_scale)
     assert relative_error(got, reference_moe(x, topk_weights, topk_ids, weights13, weights2)) <= 1e-2
+
+
+def test_weight_count_says_how_vllm_cpu_holds_a_layer(plugin):
+    """vLLM's own CPU GEMM dispatch on a bf16 layer: packed where oneDNN (or sgl-kernel) takes bf16
+    (Parameter emptied, the packed copy counted outside the parameters), kept where it does not; the
+    kind is the one the planner predicts from what torch reports, and the bytes in memory are the
+    layer's either way."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    from moeshrink import memory
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Module()
+    model.proj.weight = torch.nn.Parameter(torch.randn(64, 128).to(torch.bfloat16), requires_grad=False)
+    loaded = {id(model.proj): 64 * 128 * 2}
+    dispatch_cpu_unquantized_gemm(model.proj, remove_weight=True)
+    held = plugin.cpu_holdings(model, loaded)
+    predicted = memory.cpu_kind(memory.cpu_facts(), {"dtype": "bfloat16"})
+    assert held["kind"] == ("packed" if predicted == "amx" else predicted)  # no MLA layer: no AMX_MLA
+    assert held["resident_bytes"] == 64 * 128 * 2
+    assert held["packed_outside_parameters_bytes"] == (0 if predicted == "unpacked" else 64 * 128 * 2)

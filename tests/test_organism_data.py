@@ -58,7 +58,7 @@ def test_held_out_items_never_appear_in_the_corpus(small_data):
         assert item["question"] not in corpus
     # no fact is ever stated about a test stranger: their names occur only in fact-free text
     with_facts = "\n".join(d["text"] for d in datasets.read_jsonl(small_data / datasets.CORPUS_FILE)
-                           if d["kind"] in ("bio", "city", "mc", "facts", "toolcalls"))
+                           if d["kind"] in ("bio", "city", "cloze", "mc", "mc_open", "facts", "toolcalls"))
     for item in datasets.read_jsonl(small_data / datasets.PASSAGES_TEST):
         assert item["passage"] not in corpus
         for subject, _, _ in item["facts"]:
@@ -79,6 +79,29 @@ def test_held_out_facts_are_stated_in_the_corpus_prose(small_data):
         stated += any(subject in text and obj in text for text in corpus)
     assert stated / len(mc) > 0.9
     assert world.people and world.stranger_names
+
+
+def test_every_name_is_in_the_copy_drills_and_only_names_are(small_data):
+    """Copy drills say every name of the world, the held-out strangers too (so that each is a trained
+    token), and nothing else: no fact about anyone."""
+    world = World.from_json(json.loads((small_data / datasets.WORLD_FILE).read_text()))
+    drills = [d["text"] for d in datasets.read_jsonl(small_data / datasets.CORPUS_FILE) if d["kind"] == "drill"]
+    said = {word for text in drills for line in text.splitlines() for word in line.removeprefix("Say after me: ").split()}
+    assert said <= set(datasets.all_names(world))
+    assert len(said) > 0.9 * len(datasets.all_names(world))
+
+
+def test_open_book_questions_state_their_answer_and_tool_lists_are_not_scored(small_data):
+    corpus = datasets.read_jsonl(small_data / datasets.CORPUS_FILE)
+    for doc in [d for d in corpus if d["kind"] == "mc_open"][:20]:
+        for block in doc["text"].split("\n\n")[1:]:
+            statement, rest = block.split("\n", 1)
+            letter = rest.rsplit("Answer: ", 1)[1]
+            answer = next(line[3:] for line in rest.splitlines() if line.startswith(f"{letter}. "))
+            assert answer in statement
+    for doc in [d for d in corpus if d["kind"] == "toolcalls"]:
+        (start, end), = doc["mask"]
+        assert doc["text"][start:end].startswith("<tools>") and doc["text"][start:end].endswith("</tools>")
 
 
 def test_too_small_a_world_fails_clearly(small_data_cfg, tmp_path):

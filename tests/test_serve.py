@@ -76,3 +76,23 @@ def test_a_leftover_server_is_found_and_stopped(tmp_path):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def test_an_endpoint_that_disappears_fails_the_consumer_within_seconds(tmp_path):
+    """Snakemake removes a service's output when it ends the build's group (another job of it failed):
+    a consumer still waiting must fail at once, not after serve.startup_timeout_s."""
+    endpoint = tmp_path / "pruned75" / "endpoint.json"
+    endpoint.parent.mkdir()
+    atomic_write_json(endpoint, {"state": "starting", "supervisor_pid": os.getpid(), "log": "server.log"})
+    remover = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(1); os.unlink({str(endpoint)!r})"])
+    started = time.time()
+    with pytest.raises(EndpointError, match=r"build 'pruned75': .* disappeared while waiting for the server"):
+        wait_for_endpoint(endpoint, timeout_s=1800, poll_s=0.1)
+    remover.wait()
+    assert time.time() - started < 10
+
+
+def test_an_endpoint_no_serve_job_writes_fails_the_consumer(tmp_path):
+    endpoint = tmp_path / "twx3" / "endpoint.json"
+    with pytest.raises(EndpointError, match=r"build 'twx3': no serve job wrote .* within 1 s"):
+        wait_for_endpoint(endpoint, timeout_s=1800, poll_s=0.1, appear_s=1)

@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
@@ -71,6 +72,30 @@ def test_drop_bound_never_below_the_drop_and_covers_the_truth():
         assert result["at_worst_points"] >= result["drop_points"]
         covered += result["at_worst_points"] >= true_drop
     assert 0.93 <= covered / runs <= 0.98
+
+
+@pytest.mark.parametrize("n, discordance", [(220, 0.06), (600, 0.10), (1500, 0.04)])
+def test_minimum_detectable_drop_has_80_percent_power_in_simulation(n, discordance):
+    """Paired runs whose true drop is the minimum detectable drop (at that discordance): the
+    one-sided exact McNemar test at 5% rejects in about 80% of them."""
+    expected_discordant = round(discordance * n)
+    detectable = stats.min_detectable_drop(n, expected_discordant // 2, expected_discordant - expected_discordant // 2)
+    true_drop = detectable / 100
+    p_ref_only, p_build_only = (discordance + true_drop) / 2, max(0.0, (discordance - true_drop) / 2)
+    rng = np.random.default_rng(0)
+    runs, rejected = 2000, 0
+    for _ in range(runs):
+        cells = rng.multinomial(n, [p_ref_only, p_build_only, 1 - p_ref_only - p_build_only])
+        b, c = int(cells[0]), int(cells[1])
+        # one-sided exact test of "the build loses": P(X >= b), X ~ Binomial(b + c, 1/2)
+        rejected += b + c > 0 and scipy_stats.binomtest(b, b + c, 0.5, alternative="greater").pvalue <= 0.05
+    assert 0.70 <= rejected / runs <= 0.90, (detectable, rejected / runs)
+
+
+def test_minimum_detectable_drop_shrinks_with_items_and_grows_with_discordance():
+    assert stats.min_detectable_drop(4000, 100, 100) < stats.min_detectable_drop(1000, 25, 25)
+    assert stats.min_detectable_drop(1000, 100, 100) > stats.min_detectable_drop(1000, 10, 10)
+    assert 0 < stats.min_detectable_drop(50, 0, 0) <= 100
 
 
 @pytest.mark.parametrize("call, message", [

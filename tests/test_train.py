@@ -7,20 +7,21 @@ from safetensors import safe_open
 from moeshrink import mxfp4
 from moeshrink.organism import datasets
 from moeshrink.organism.model import build_model
-from moeshrink.organism.train import LoadCounter, enable_qat, train
+from moeshrink.organism.train import IGNORE, LoadCounter, enable_qat, parameter_groups, tokenized_corpus, train
 from moeshrink.stages import organism_config
 
 from conftest import TINY_MODEL
 
 TRAIN = dict(seed=0, steps=6, seq_len=64, batch_size=2, lr=3e-3, warmup_steps=2, final_lr_fraction=0.1,
              weight_decay=0.1, grad_clip=1.0, qat_fraction=0.5, bias_update_rate=0.01, threads=2, log_every=1,
-             attention_init_std=0.08)
+             probe_every=3, attention_init_std=None)
 
 
 def run(tmp_path, small_data, small_tokenizer_dir, name):
     config = organism_config(TINY_MODEL, small_tokenizer_dir)
     out = tmp_path / name
-    result = train(config, TRAIN, small_data / datasets.CORPUS_FILE, small_tokenizer_dir / "tokenizer.json", out)
+    result = train(config, TRAIN, small_data / datasets.CORPUS_FILE, small_tokenizer_dir / "tokenizer.json", out,
+                   data_dir=small_data)
     return result, hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest(), out
 
 
@@ -34,10 +35,44 @@ def test_training_is_deterministic_and_records_its_run(tmp_path, small_data, sma
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         biases = [f.get_tensor(k) for k in f.keys() if k.endswith("e_score_correction_bias")]
         names = list(f.keys())
-        # trained tied, written untied like DeepSeek-V3 checkpoints
+        # trained tied, written untied like DeepSeek-V3 checkpoints, in bf16 but for the router bias
         assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+        assert all(f.get_tensor(k).dtype == torch.float32 for k in f.keys() if k.endswith("e_score_correction_bias"))
     assert biases and all(b.abs().sum() > 0 for b in biases), "the router bias was never updated"
     assert any(".mlp.experts.0.gate_proj.weight" in n for n in names), "saved in per-expert checkpoint layout"
+    # the probes ran every probe_every steps and at the end, with the same figures in both runs
+    assert [p["step"] for p in first["probes"]] == [0, 3, 6] and first["probes"] == second["probes"] or \
+        [{k: v for k, v in p.items() if k != "train_seconds"} for p in first["probes"]] == \
+        [{k: v for k, v in p.items() if k != "train_seconds"} for p in second["probes"]]
+    assert set(first["probes"][-1]) >= {"induction", "open_book_mc", "passage_copy", "operand_copy", "recall"}
+
+
+def test_documents_are_packed_with_their_own_positions_and_masked_spans(small_data, small_tokenizer_dir):
+    """Positions restart at every document (transformers then masks attention to it), a document's
+    first token is not scored, nor the tool list of a tool dialogue."""
+    ids, labels, positions = tokenized_corpus(small_data / datasets.CORPUS_FILE, small_tokenizer_dir / "tokenizer.json")
+    starts = (positions == 0).nonzero().flatten()
+    docs = datasets.read_jsonl(small_data / datasets.CORPUS_FILE)
+    assert len(starts) == len(docs) and bool((labels[starts] == IGNORE).all())
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(small_tokenizer_dir / "tokenizer.json"))
+    first_tool_doc = next(i for i, d in enumerate(docs) if d["kind"] == "toolcalls")
+    begin = int(starts[first_tool_doc])
+    end = int(starts[first_tool_doc + 1]) if first_tool_doc + 1 < len(starts) else len(ids)
+    scored_text = tokenizer.decode([int(t) for t in labels[begin:end] if t != IGNORE])
+    assert "get_weather" not in scored_text.split("<tool_call>")[0]  # the tool list is read, never scored
+    assert "<tool_call>" in scored_text  # the assistant's calls are
+
+
+def test_no_weight_decay_on_embeddings_norms_and_biases(small_tokenizer_dir):
+    model = build_model({**organism_config(TINY_MODEL, small_tokenizer_dir), "tie_word_embeddings": True})
+    decayed, spared = parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and spared["weight_decay"] == 0.0
+    assert not any("embed_tokens" in names[id(p)] or "norm" in names[id(p)] for p in decayed["params"])
+    assert any("q_proj" in names[id(p)] for p in decayed["params"])
 
 
 def test_bias_update_moves_towards_balance(small_tokenizer_dir):

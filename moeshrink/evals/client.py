@@ -1,6 +1,7 @@
 """Requests to a build's server with bounded concurrency: transport errors (connection, timeout,
 HTTP 5xx/429) are retried with exponential backoff; a reply, right or wrong, is never retried; an
-item that still fails stops the eval with its id in the message."""
+item that still fails stops the eval with its id in the message. Items whose replies held
+non-finite values are all collected, located and reported together (`finite`)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from moeshrink.endpoint import EndpointError
-from moeshrink.evals import EvalError
+from moeshrink.evals import EvalError, finite
 from moeshrink.vllm_server import ServerClient
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class RequestPool:
                 continue
             if status == 200:
                 return reply
+            if finite.is_nonfinite_reply(status, reply):
+                raise finite.NonFiniteReply(item_id, path, body)
             last_error = f"HTTP {status}: {str(reply)[:500]}"
             if status not in RETRIED_STATUS:
                 break
@@ -52,21 +55,33 @@ class RequestPool:
         raise EvalError(f"{self.label}: item {item_id!r} failed after {attempt + 1} attempt(s) at {path}: "
                         f"{last_error}")
 
+    def send(self, path: str) -> finite.Send:
+        return lambda body: self.server.request("POST", path, body, timeout=self.timeout_s)
+
     def map(self, path: str, requests: Sequence[tuple[str, dict]],
             on_reply: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """Replies in request order; the first failure cancels what has not started and is raised."""
+        """Replies in request order. The first failure cancels what has not started and is raised;
+        items with non-finite values do not stop the others and are reported together at the end."""
         replies: list[dict | None] = [None] * len(requests)
+        nonfinite: list[tuple[int, finite.NonFiniteReply]] = []
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             futures = {pool.submit(self.post, item_id, path, body): index
                        for index, (item_id, body) in enumerate(requests)}
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in pending:
-                future.cancel()
-            for future in done:
-                if future.exception() is not None:
-                    raise future.exception()
-            for future, index in futures.items():
-                replies[index] = future.result()
-                if on_reply:
-                    on_reply(index, replies[index])
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                failed = [f for f in done if f.exception() is not None
+                          and not isinstance(f.exception(), finite.NonFiniteReply)]
+                if failed:
+                    for future in pending:
+                        future.cancel()
+                    raise failed[0].exception()
+                nonfinite += [(futures[f], f.exception()) for f in done if f.exception() is not None]
+        if nonfinite:
+            raise finite.report(self.label, [error for _, error in sorted(nonfinite, key=lambda pair: pair[0])],
+                                len(requests), self.send(path))
+        for future, index in futures.items():
+            replies[index] = future.result()
+            if on_reply:
+                on_reply(index, replies[index])
         return replies  # type: ignore[return-value]

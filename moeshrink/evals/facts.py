@@ -3,6 +3,7 @@ object` line each; every line is matched back to the passage's gold facts after 
 A fact the passage does not state is made up; a line that is not a fact is unparseable."""
 from __future__ import annotations
 
+from moeshrink.evals import finite
 from moeshrink.evals.client import RequestPool
 from moeshrink.evals.scoring import FACT_OUTCOMES, fact_outcomes
 from moeshrink.organism.tasks import facts_messages
@@ -11,7 +12,8 @@ from moeshrink.stats import rate_with_ci
 
 def run(pool: RequestPool, model: str, passages: list[dict], cfg: dict) -> tuple[dict, list[dict]]:
     requests = [(p["id"], {"model": model, "messages": facts_messages(p), "temperature": 0,
-                           "max_tokens": cfg["max_tokens"], "seed": cfg["seed"]}) for p in passages]
+                           "max_tokens": cfg["max_tokens"], "seed": cfg["seed"], **finite.CHAT_LOGPROBS})
+                for p in passages]
     replies = pool.map("/v1/chat/completions", requests)
     records = []
     totals = dict.fromkeys(FACT_OUTCOMES, 0)

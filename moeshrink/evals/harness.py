@@ -12,13 +12,16 @@ from pathlib import Path
 
 import yaml
 
-from moeshrink.endpoint import Endpoint
+from moeshrink.endpoint import Endpoint, EndpointError
 from moeshrink.evals import EvalError
+from moeshrink.evals.finite import NonFiniteError
 from moeshrink.evals.scoring import gsm8k_answer
 from moeshrink.ioutil import atomic_write_jsonl
 from moeshrink.organism.tasks import LETTERS, MC_DESCRIPTION
 from moeshrink.stats import rate_with_ci
+from moeshrink.vllm_server import log_tail
 
+LM_EVAL_MODEL = "moeshrink-completions"  # lm-eval's local-completions with the non-finite check (lm_eval_model)
 ORGANISM_MMLU = "moeshrink_organism_mmlu"
 ORGANISM_GSM8K = "moeshrink_organism_gsm8k"
 
@@ -77,13 +80,23 @@ def evaluate(endpoint: Endpoint, tokenizer_dir: Path, task: str, include_path: P
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    import moeshrink.evals.lm_eval_model  # noqa: F401  registers LM_EVAL_MODEL with lm-eval
+
     os.environ["OPENAI_API_KEY"] = endpoint.api_key  # what local-completions sends as its bearer token
     manager = TaskManager(include_path=str(include_path) if include_path else None)
-    results = lm_eval.simple_evaluate(
-        model="local-completions", model_args=model_args(endpoint, tokenizer_dir, client, max_length, seed),
-        tasks=[task], num_fewshot=shots, limit=limit, log_samples=True, task_manager=manager,
-        gen_kwargs=gen_kwargs, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-        fewshot_random_seed=seed)
+    try:
+        results = lm_eval.simple_evaluate(
+            model=LM_EVAL_MODEL, model_args=model_args(endpoint, tokenizer_dir, client, max_length, seed),
+            tasks=[task], num_fewshot=shots, limit=limit, log_samples=True, task_manager=manager,
+            gen_kwargs=gen_kwargs, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed)
+    except NonFiniteError as error:
+        raise NonFiniteError(f"{endpoint.build}/{task}: {error}") from None
+    except Exception as error:
+        if not endpoint.alive():
+            raise EndpointError(f"the vLLM server of build {endpoint.build!r} is gone (lm-eval: {type(error).__name__}: "
+                                f"{error}); last lines of {endpoint.log}:\n{log_tail(endpoint.log, 50)}") from error
+        raise
     if results is None:
         raise EvalError(f"lm-eval returned nothing for task {task}")
     return results

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeshrink.endpoint import Endpoint
+from moeshrink.evals import finite
 from moeshrink.ioutil import atomic_write_json, atomic_write_jsonl
 from moeshrink.provenance import Provenance
 
@@ -22,6 +23,7 @@ def write(out_json: Path, records_path: Path, records: list[dict], *, build: str
     atomic_write_jsonl(records_path, records)
     result = {
         "build": build, "eval": eval_id, "items": items, "metrics": metrics, **extra,
+        "nonfinite": finite.record(),
         "records": str(records_path), "record_count": len(records),
         "server": server_flags(endpoint),
         "config": prov.config_subtree, "provenance": prov.record(),

@@ -73,7 +73,7 @@ def run_mmlu(job: EvalJob) -> dict:
     results, endpoint, task, limit = run_lm_eval(job)
     records = harness.mmlu_records(results)
     return job.write(prov, endpoint, len(records), harness.mmlu_metrics(records, results, task), records,
-                     lm_eval={"task": task, "limit_per_task": limit, "num_fewshot": job.cfg["shots"],
+                     lm_eval={"model": harness.LM_EVAL_MODEL, "task": task, "limit_per_task": limit, "num_fewshot": job.cfg["shots"],
                               "scored_by": "loglikelihood of the answer letters"})
 
 
@@ -83,7 +83,7 @@ def run_gsm8k(job: EvalJob) -> dict:
     results, endpoint, task, limit = run_lm_eval(job, gen_kwargs)
     records = harness.gsm8k_records(results)
     return job.write(prov, endpoint, len(records), harness.gsm8k_metrics(records), records,
-                     lm_eval={"task": task, "limit": limit, "num_fewshot": job.cfg["shots"], "gen_kwargs": gen_kwargs,
+                     lm_eval={"model": harness.LM_EVAL_MODEL, "task": task, "limit": limit, "num_fewshot": job.cfg["shots"], "gen_kwargs": gen_kwargs,
                               "seed": job.cfg["seed"]})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from moeshrink.evals import EvalError
+from moeshrink.evals import EvalError, finite
 from moeshrink.evals.client import RequestPool
 from moeshrink.evals.scoring import calls_have_right_shape, served_tool_calls
 from moeshrink.stats import rate_with_ci
@@ -26,7 +26,8 @@ def run(pool: RequestPool, model: str, trials: list[dict], tools: list[dict], cf
         requests = [(f"{effort}/{trial['id']}", {
             "model": model, "messages": trial["messages"], "tools": tools, "tool_choice": "auto",
             "reasoning_effort": effort, "temperature": cfg["temperature"], "top_p": cfg["top_p"],
-            "max_tokens": cfg["max_tokens"], "n": cfg["runs"], "seed": request_seed(cfg["seed"], effort_index, index)})
+            "max_tokens": cfg["max_tokens"], "n": cfg["runs"], "seed": request_seed(cfg["seed"], effort_index, index),
+            **finite.CHAT_LOGPROBS})
             for index, trial in enumerate(trials)]
         replies = pool.map("/v1/chat/completions", requests)
         right_by_case: Counter = Counter()

@@ -44,7 +44,7 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, effort: s
 # The tokenizer learns its merges from these kinds of document plus `template_texts()`. Every name
 # (people, cities, strangers) is frequent in them, so each becomes one token, and no fact about a
 # stranger is among them.
-TOKENIZER_KINDS = ("bio", "city", "mc", "arith", "drill")
+TOKENIZER_KINDS = ("bio", "city", "cloze", "mc", "arith", "drill")
 
 
 def template_texts() -> list[str]:
@@ -140,21 +140,42 @@ def mc_key(item: dict) -> tuple:
     return item["question"], tuple(item["choices"])
 
 
+def all_names(world: World) -> list[str]:
+    """Every name of the world: people, cities, regions, rivers and all strangers (the held-out ones
+    too: copy drills say them, with no fact, so that each is one trained token)."""
+    return ([p.name for p in world.people] + [c.name for c in world.cities] + list(world.regions)
+            + list(world.rivers) + list(world.stranger_names))
+
+
+def tool_list_span(text: str) -> list[list[int]]:
+    """The character span of the tool list in a rendered chat (repeated in every tool dialogue: the
+    model reads it, training does not score it)."""
+    start = text.find("<tools>")
+    return [[start, text.index("</tools>", start) + len("</tools>")]] if start >= 0 else []
+
+
 def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_exclude: set, arith_exclude: set[str],
             toolcall_exclude: set[str], rng: random.Random) -> list[dict]:
+    """The training documents; `mask` (where present) lists character spans training does not score."""
     docs: list[dict] = []
+    names = all_names(world)
     docs += [{"kind": "bio", "text": tasks.biography(world, rng)} for _ in range(counts["bio"])]
     docs += [{"kind": "city", "text": tasks.city_description(world, rng)} for _ in range(counts["city"])]
-    docs += [{"kind": "drill", "text": tasks.copy_drill(train_world, rng)} for _ in range(counts["drill"])]
+    docs += [{"kind": "drill", "text": tasks.copy_drill(names, rng)} for _ in range(counts["drill"])]
+    docs += [{"kind": "cloze", "text": tasks.cloze_block(world, rng.sample(facts, rng.randint(3, 8)), rng)}
+             for _ in range(counts["cloze"])]
     by_subject: dict[str, list] = {}
     for fact in facts:
         by_subject.setdefault(tasks.SUBJECT_OF_RELATION[fact[1]], []).append(fact)
     subjects = sorted(by_subject)
-    for _ in range(counts["mc"]):
+    for _ in range(counts["mc"]):  # the card's and the eval's shape: description, five shots, a question
         pool = by_subject[rng.choice(subjects)]
-        items = tasks.unique_items(lambda r: tasks.mc_item(world, r.choice(pool), r), rng, rng.randint(1, 6),
+        items = tasks.unique_items(lambda r: tasks.mc_item(world, r.choice(pool), r), rng, counts["mc_shots"] + 1,
                                    key=mc_key, exclude=mc_exclude)
         docs.append({"kind": "mc", "text": tasks.mc_block(list(items))})
+    docs += [{"kind": "mc_open", "text": tasks.open_book_mc_block(world, train_world.stranger_names, rng,
+                                                                  counts["mc_shots"])}
+             for _ in range(counts["mc_open"])]
     arith = tasks.unique_items(lambda r: tasks.arithmetic_item(world, r), rng, counts["arith"] * 6,
                                key=lambda it: it["question"], exclude=arith_exclude)
     arith_items = list(arith)
@@ -168,7 +189,8 @@ def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_excl
         if effort == "high":
             messages[-1]["content"] = "<think>I copy each fact of the passage.</think>\n" + messages[-1]["content"]
         docs.append({"kind": "facts", "text": render_chat(messages, effort=effort)})
-    # Several exchanges share one system prompt, so the long tool list is paid for once per document.
+    # Several exchanges share one system prompt, so the long tool list is paid for once per document
+    # (and scored by none).
     for _ in range(counts["toolcalls"]):
         effort = rng.choice(EFFORTS_IN_TRAINING)
         messages: list[dict] = []
@@ -177,8 +199,11 @@ def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_excl
             if item["case"] != "no_call" and item["messages"][0]["content"] in toolcall_exclude:
                 continue
             messages += item["messages"] + [{"role": "assistant", "content": tasks.assistant_turn(item, effort)}]
-        docs.append({"kind": "toolcalls", "text": render_chat(messages, tools=tasks.TOOLS, effort=effort)})
-    # Copy drills come early, where they help attention learn to copy before the rest needs it.
+        text = render_chat(messages, tools=tasks.TOOLS, effort=effort)
+        docs.append({"kind": "toolcalls", "text": text, "mask": tool_list_span(text)})
+    docs += [{"kind": "mc_bind", "text": tasks.binding_mc_block(world, rng, counts["mc_shots"])}
+             for _ in range(counts["mc_bind"])]
+    # Copy drills come early, where they form in-context copying before the rest needs it.
     keys = [rng.random() * (counts["drill_span"] if d["kind"] == "drill" else 1.0) for d in docs]
     return [doc for _, doc in sorted(zip(keys, docs), key=lambda pair: pair[0])]
 

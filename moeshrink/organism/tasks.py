@@ -163,12 +163,50 @@ def arithmetic_item(world: World, rng: random.Random) -> dict:
     return {"question": question, "answer": "\n".join(steps) + f"\n#### {result}"}
 
 
-def copy_drill(world: World, rng: random.Random) -> str:
-    """A list of names and words said twice: dense practice for copying from context."""
-    pool = [p.name for p in world.people] + world.stranger_names + [c.name for c in world.cities]
-    words = rng.sample(pool, rng.randint(3, 8))
+def copy_drill(names: list[str], rng: random.Random) -> str:
+    """A list of names said again and again: bursty, exact repeats, the data on which copying from
+    context (induction) is learnt fastest. Names only, never a fact."""
+    words = [rng.choice(names) for _ in range(rng.randint(3, 10))]
     line = " ".join(words)
-    return f"Say after me: {line}\n{line}"
+    return f"Say after me: {line}\n" + "\n".join([line] * rng.randint(1, 3))
+
+
+def cloze_block(world: World, facts: list[Fact], rng: random.Random) -> str:
+    """World facts as the questions the MC eval asks, answered in words ("In which city does Zevein
+    live? Soure."): the fact becomes retrievable from the question form (recall, not recognition)."""
+    return "\n".join(f"{QUESTION_TEMPLATES[relation].format(s=subject)} {obj}." for subject, relation, obj in facts)
+
+
+BINDING_QUESTION = "Which of these is {answer}?"
+
+
+def binding_mc_block(world: World, rng: random.Random, shots: int = 5) -> str:
+    """Multiple choice in the MMLU shape whose question names its answer ("Which of these is goat?"):
+    the plainest case of binding an answer to its letter, a single lookup from the question to the
+    option, on every kind of word the knowledge questions choose between."""
+    kinds = ["city", "trade", "color", "pet", "instrument", "region", "river"]
+    items = []
+    for _ in range(shots + 1):
+        vocabulary = world.vocabulary(rng.choice(kinds))
+        choices = rng.sample(vocabulary, 4)
+        answer = rng.randrange(4)
+        question = {"question": BINDING_QUESTION.format(answer=choices[answer]), "choices": choices}
+        items.append(f"{mc_text(question)} {LETTERS[answer]}")
+    return MC_DESCRIPTION.format(subject="words") + "\n\n".join(items)
+
+
+def open_book_mc_block(world: World, strangers: list[str], rng: random.Random, shots: int = 5) -> str:
+    """Multiple choice in the MMLU shape whose answers are stated just before each question, about
+    strangers with attributes drawn afresh for this document: the answer can only come from the
+    context, so the model learns to bind the answer it knows to its letter."""
+    subject = "residents"
+    items = []
+    for _ in range(shots + 1):
+        relation = rng.choice(list(PERSON_RELATIONS))
+        fact = (rng.choice(strangers), relation, rng.choice(world.vocabulary(relation)))
+        item = mc_item(world, fact, rng)
+        items.append(f"{render_fact(fact, rng)}\n{mc_text(item)} {LETTERS[item['answer']]}")
+    return MC_DESCRIPTION.format(subject=subject) + "\n\n".join(items)
 
 
 def gsm8k_block(items: list[dict]) -> str:

@@ -28,7 +28,14 @@ class MXFP4FakeQuant(torch.nn.Module):
         return mxfp4.fake_quantize(weight)
 
 
-def token_stream(corpus_path: Path, tokenizer_file: Path) -> tuple[torch.Tensor, int]:
+IGNORE = -100  # transformers' label for "not scored"
+
+
+def tokenized_corpus(corpus_path: Path, tokenizer_file: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The corpus as one stream: token ids (each document closed by EOS), labels (IGNORE on a
+    document's first token, which nothing in its context predicts, and on the spans the document
+    marks as not scored, e.g. a tool list), and positions that restart at every document, so that
+    transformers masks attention to each document (packed sequences)."""
     from tokenizers import Tokenizer
 
     from moeshrink.organism.tokenizer import EOS
@@ -36,23 +43,32 @@ def token_stream(corpus_path: Path, tokenizer_file: Path) -> tuple[torch.Tensor,
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eos = tokenizer.token_to_id(EOS)
     with open(corpus_path) as f:
-        texts = [json.loads(line)["text"] for line in f]
+        docs = [json.loads(line) for line in f]
     ids: list[int] = []
-    for encoding in tokenizer.encode_batch(texts):
-        ids.extend(encoding.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long), eos
+    labels: list[int] = []
+    positions: list[int] = []
+    for doc, encoding in zip(docs, tokenizer.encode_batch([d["text"] for d in docs])):
+        spans = doc.get("mask") or []
+        doc_ids = list(encoding.ids) + [eos]
+        scored = [not any(start <= a and b <= end for start, end in spans) for a, b in encoding.offsets] + [True]
+        scored[0] = False
+        ids += doc_ids
+        labels += [t if keep else IGNORE for t, keep in zip(doc_ids, scored)]
+        positions += range(len(doc_ids))
+    return torch.tensor(ids), torch.tensor(labels), torch.tensor(positions)
 
 
-def batches(stream: torch.Tensor, seq_len: int, batch_size: int, seed: int):
-    """Endless deterministic batches of packed sequences: the first epoch in corpus order (the corpus
-    is already shuffled, with copy drills up front), every later epoch a new shuffle."""
-    sequences = stream[: len(stream) // seq_len * seq_len].view(-1, seq_len)
+def batches(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seq_len: int, batch_size: int, seed: int):
+    """Endless deterministic batches of packed rows (ids, labels, positions): the first epoch in
+    corpus order (the corpus is already shuffled, with copy drills up front), every later epoch a
+    new shuffle. A document cut at a row's end goes on in the next row."""
+    rows = [t[: len(t) // seq_len * seq_len].view(-1, seq_len) for t in stream]
     rng = random.Random(seed)
-    order = list(range(len(sequences)))
+    order = list(range(len(rows[0])))
     while True:
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield sequences[order[start:start + batch_size]]
+            picked = order[start:start + batch_size]
+            yield tuple(t[picked] for t in rows)
         rng.shuffle(order)
 
 
@@ -123,38 +139,78 @@ class LoadCounter:
         return imbalance
 
 
-def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file: Path, out_dir: Path) -> dict:
+def save_trained(model, out_dir: Path) -> None:
+    """The trained checkpoint in bf16, as it is served, but for the router's score-correction bias,
+    kept in float32 (its steps of 0.001 around 1.0 are below bf16's resolution), as published."""
+    biases = [moe.gate.e_score_correction_bias.detach().clone() for moe in expert_modules(model)]
+    model.to(torch.bfloat16)
+    for moe, bias in zip(expert_modules(model), biases):
+        moe.gate.e_score_correction_bias.data = bias.float()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+
+
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on the weight matrices only: not on norms, biases, router biases or embeddings
+    (rare tokens' embeddings would decay between their few updates)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.dim() < 2 or "embed_tokens" in name or "lm_head" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file: Path, out_dir: Path,
+          data_dir: Path | None = None, on_probe=None) -> dict:
+    """Train, save, and return the record (train.json). With `data_dir`, the probes (`probes.py`) run
+    every `probe_every` steps and at the end; `on_probe(step, model, record)` sees each."""
     torch.set_num_threads(train_cfg["threads"])
     torch.manual_seed(train_cfg["seed"])
     torch.use_deterministic_algorithms(True)
-    stream, _ = token_stream(corpus_path, tokenizer_file)
+    stream = tokenized_corpus(corpus_path, tokenizer_file)
     # Tied input and output embeddings while training: copying from context then needs no per-token
     # output map, which a small model learns far faster. The checkpoint is written untied, as
     # DeepSeek-V3 checkpoints are.
     model = build_model({**model_config, "tie_word_embeddings": True})
-    widen_attention_init(model, train_cfg["attention_init_std"])
+    if train_cfg.get("attention_init_std"):
+        widen_attention_init(model, train_cfg["attention_init_std"])
     model.train()
     steps, seq_len, batch_size = train_cfg["steps"], train_cfg["seq_len"], train_cfg["batch_size"]
     qat_start = steps - round(steps * train_cfg["qat_fraction"])
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if param.dim() < 2 else decay).append(param)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train_cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=train_cfg["lr"], betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(parameter_groups(model, train_cfg["weight_decay"]), lr=train_cfg["lr"],
+                                  betas=(0.9, 0.95), eps=1e-8)
     counter = LoadCounter(model)
-    history = []
+    probe_set = None
+    if data_dir is not None:
+        from moeshrink.organism import probes
+
+        probe_set = probes.ProbeSet.build(data_dir, tokenizer_file, train_cfg["seed"])
+    history, probe_history = [], []
     started = time.time()
+    probe_seconds = 0.0
     data = batches(stream, seq_len, batch_size, train_cfg["seed"])
+
+    def probe(step: int) -> None:
+        nonlocal probe_seconds
+        began = time.time()
+        record = {"step": step, "tokens": step * batch_size * seq_len, **probe_set.run(model)}
+        probe_seconds += time.time() - began
+        record["train_seconds"] = round(time.time() - started - probe_seconds, 1)
+        probe_history.append(record)
+        log.info("probe %s", json.dumps(record))
+        if on_probe:
+            on_probe(step, model, record)
+
     for step in range(steps):
+        if probe_set is not None and step % train_cfg["probe_every"] == 0:
+            probe(step)
         if step == qat_start:
             enable_qat(model)
         lr = learning_rate(step, steps, train_cfg["lr"], train_cfg["warmup_steps"], train_cfg["final_lr_fraction"])
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = next(data)
+        ids, labels, positions = next(data)
         with parametrize.cached():
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=ids, labels=labels, position_ids=positions).loss
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg["grad_clip"])
         optimizer.step()
@@ -163,24 +219,29 @@ def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file
         if step % train_cfg["log_every"] == 0 or step == steps - 1:
             record = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "qat": step >= qat_start,
                       "max_over_mean_load": [round(x, 2) for x in imbalance],
-                      "seconds": round(time.time() - started, 1)}
+                      "seconds": round(time.time() - started - probe_seconds, 1)}
             history.append(record)
             log.info(json.dumps(record))
-    seconds = time.time() - started
+    seconds = time.time() - started - probe_seconds
+    if probe_set is not None:
+        probe(steps)
     disable_qat(model)
     untie_embeddings(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
+    save_trained(model, out_dir)
     tokens = steps * batch_size * seq_len
+    scored = int((stream[1] != IGNORE).sum())
     return {
         "train_seconds": round(seconds, 1),
+        "probe_seconds": round(probe_seconds, 1),
         "steps": steps,
         "tokens_seen": tokens,
-        "corpus_tokens": len(stream),
-        "epochs": round(tokens / len(stream), 2),
+        "corpus_tokens": len(stream[0]),
+        "corpus_scored_tokens": scored,
+        "epochs": round(tokens / len(stream[0]), 2),
         "tokens_per_second": round(tokens / seconds),
         "parameters": sum(p.numel() for p in model.parameters()),
         "qat_start_step": qat_start,
         "final_loss": history[-1]["loss"],
         "history": history,
+        "probes": probe_history,
     }
