@@ -16,6 +16,8 @@ from pathlib import Path
 from moeshrink import memory, prune, twx
 from moeshrink.arch import adapter_for
 from moeshrink.memory import GIB, Tensor
+from moeshrink.rule_params import build_params
+
 
 class PlanError(ValueError):
     pass
@@ -68,7 +70,7 @@ def made_for_this_build(build: str, spec: dict, config: dict, results: Path) -> 
     if not manifest_path.exists() or not made_for_this_upstream(config, results)[0]:
         return False
     made = json.loads(manifest_path.read_text()).get("provenance", {}).get("config", {}).get(build, {})
-    return {k: v for k, v in made.items() if k != "label"} == {k: v for k, v in spec.items() if k != "label"}
+    return build_params({"builds": {build: made}}, build) == build_params({"builds": {build: spec}}, build)
 
 
 def upstream_folder(config: dict, results: Path) -> Path:

@@ -8,6 +8,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from moeshrink.rule_params import operational
+
+
+def serve_config(snakemake) -> dict:
+    """The rule's serve params with the operational serve keys (timeouts) the config holds beside them."""
+    return {**snakemake.params.serve, **operational(snakemake.config)["serve"]}
+
+
+def client_config(snakemake) -> dict:
+    return operational(snakemake.config)["client"]
+
 
 def run(snakemake, stage: Callable[[], object]) -> None:
     log_path = Path(snakemake.log[0]) if snakemake.log else None

@@ -11,7 +11,7 @@ rule compare:
     wildcard_constraints:
         build="|".join(OTHER_BUILDS) or NO_MATCH,
     params:
-        judging={key: config["compare"][key] for key in ("pass_mark_points", "pass_on")},
+        judging=canonical({key: config["compare"][key] for key in ("pass_mark_points", "pass_on")}),
         reference=REFERENCE_BUILD,
     log:
         "logs/compare/{build}.log",

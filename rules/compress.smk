@@ -9,7 +9,7 @@ rule build_plan:
     output:
         plan="results/builds/{build}/plan.json",
     params:
-        build=lambda wildcards: config["builds"][wildcards.build],
+        build=lambda wildcards: build_params(config, wildcards.build),
     log:
         "logs/builds/{build}/plan.log",
     benchmark:

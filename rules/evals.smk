@@ -8,8 +8,8 @@ OTHER_BUILDS = [b for b in BUILD_IDS if b != REFERENCE_BUILD]
 NO_MATCH = "(?!)"
 
 
-def eval_params(wildcards):
-    return config["evals"][wildcards.eval]
+def eval_spec(wildcards):
+    return eval_params(config, wildcards.eval)
 
 
 rule eval:
@@ -21,9 +21,8 @@ rule eval:
     wildcard_constraints:
         eval="|".join(GENERIC_EVALS) or NO_MATCH,
     params:
-        spec=eval_params,
-        client=config["evals"]["client"],
-        serve=config["serve"],
+        spec=eval_spec,
+        serve=serve_params(config),
     log:
         "logs/evals/{build}/{eval}.log",
     benchmark:

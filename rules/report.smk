@@ -7,9 +7,8 @@ rule report:
     output:
         html="report/r013.html",
     params:
-        # The page shows the config's hash, so any config change re-renders it (cheap); what cluster
-        # jobs ask the scheduler for is not part of the study.
-        config={key: value for key, value in config.items() if key != "cluster"},
+        # the study as the page shows it (labels and title included; operational keys are not)
+        config=report_params(config),
     log:
         "logs/report/report.log",
     resources:

@@ -10,7 +10,7 @@ rule serve_prediction:
     output:
         prediction="results/serve/{build}/prediction.json",
     params:
-        serve=config["serve"],
+        serve=serve_params(config),
     log:
         "logs/serve/{build}/prediction.log",
     resources:
@@ -28,6 +28,7 @@ rule serve:
     output:
         endpoint=service("results/serve/{build}/endpoint.json"),
     params:
+        # the service job's output is its endpoint, consumed at once: params decide nothing here
         serve=lambda wildcards: json.dumps(config["serve"]),
         python=sys.executable,
     log:
@@ -57,7 +58,7 @@ rule serve_memory:
     output:
         memory="results/serve/{build}/memory.json",
     params:
-        serve=config["serve"],
+        serve=serve_params(config),
     log:
         "logs/serve/{build}/memory.log",
     # runs beside its server (same service group) and only waits on HTTP: it takes no core of its own,

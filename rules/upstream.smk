@@ -11,7 +11,7 @@ if "data" in ORGANISM:
         output:
             expand(f"{ORGANISM_DATA}/{{name}}", name=ORGANISM_DATA_FILES),
         params:
-            data=ORGANISM["data"],
+            data=canonical(ORGANISM["data"]),
         log:
             "logs/upstream/organism_data.log",
         benchmark:
@@ -35,7 +35,7 @@ if UPSTREAM_SOURCE == "organism":
             tokenizer_config=f"{ORGANISM_TOKENIZER}/tokenizer_config.json",
             record=f"{ORGANISM_TOKENIZER}/tokenizer.provenance.json",
         params:
-            tokenizer=ORGANISM["tokenizer"],
+            tokenizer=canonical(ORGANISM["tokenizer"]),
         log:
             "logs/upstream/organism_tokenizer.log",
         benchmark:
@@ -60,7 +60,7 @@ if UPSTREAM_SOURCE == "organism":
                 config=f"{ORGANISM_TRAINED}/config.json",
                 record=f"{ORGANISM_TRAINED}/train.json",
             params:
-                model=ORGANISM["model"],
+                model=canonical(ORGANISM["model"]),
                 train=organism_train_params(),
             threads: ORGANISM["train"]["threads"]
             log:
@@ -86,7 +86,7 @@ if UPSTREAM_SOURCE == "organism":
                 config=f"{ORGANISM_TRAINED}/config.json",
                 record=f"{ORGANISM_TRAINED}/train.json",
             params:
-                organism=organism_recipe_params(),
+                organism=canonical(organism_recipe_params()),
             log:
                 "logs/upstream/organism_shipped.log",
             resources:
@@ -106,7 +106,7 @@ if UPSTREAM_SOURCE == "organism":
         output:
             card="results/upstream/organism_card.json",
         params:
-            card=ORGANISM["card"],
+            card=canonical({k: v for k, v in ORGANISM["card"].items() if k != "threads"}),
         threads: ORGANISM["card"]["threads"]
         log:
             "logs/upstream/organism_card.log",
@@ -126,7 +126,7 @@ checkpoint upstream:
     output:
         manifest="results/upstream/manifest.json",
     params:
-        upstream=upstream_params(),
+        upstream=canonical(upstream_params()),
     threads: 4
     log:
         "logs/upstream/upstream.log",

@@ -7,7 +7,7 @@ SPECIAL_INPUTS = {"manifest", "endpoint", "reference"}
 
 job = EvalJob(
     build=snakemake.wildcards.build, eval_id=snakemake.wildcards.eval, cfg=snakemake.params.spec,
-    client=snakemake.params.client, serve=snakemake.params.serve,
+    client=smk.client_config(snakemake), serve=smk.serve_config(snakemake),
     build_dir=Path(snakemake.input.manifest).parent, endpoint_file=Path(snakemake.input.endpoint),
     out_json=Path(snakemake.output.result), records=Path(snakemake.output.records),
     inputs={name: Path(path) for name, path in snakemake.input.items() if name not in SPECIAL_INPUTS})

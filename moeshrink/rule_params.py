@@ -1,0 +1,52 @@
+"""What each rule's `params:` hold: only the config keys that change that rule's output, in a canonical
+form (dict keys sorted at every level), so that Snakemake's params trigger reruns exactly what a
+change affects. Display keys (a build's label, the title) reach only the report; operational keys
+(timeouts, retries, concurrency, threads, the cluster) reach no params at all: the jobs read them from
+the config through `operational`. Reordering config.yaml changes no params."""
+from typing import Any
+
+OPERATIONAL_SERVE_KEYS = ("startup_timeout_s", "stop_timeout_s")
+DISPLAY_BUILD_KEYS = ("label",)
+# which builds an eval runs on decides which jobs exist, not what one job writes
+EVAL_SCHEDULING_KEYS = ("builds",)
+
+
+def canonical(value: Any) -> Any:
+    """The same data with every dict's keys in sorted order (Snakemake compares params by repr)."""
+    if isinstance(value, dict):
+        return {key: canonical(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [canonical(item) for item in value]
+    return value
+
+
+def _without(mapping: dict, keys: tuple[str, ...]) -> dict:
+    return {key: value for key, value in mapping.items() if key not in keys}
+
+
+def serve_params(config: dict) -> dict:
+    """The serve settings that change what a server computes or holds (not how long it may take)."""
+    return canonical(_without(config["serve"], OPERATIONAL_SERVE_KEYS))
+
+
+def build_params(config: dict, build_id: str) -> dict:
+    """How a build is made: its prune and quantize specs, never its label."""
+    return canonical(_without(config["builds"][build_id], DISPLAY_BUILD_KEYS))
+
+
+def eval_params(config: dict, eval_id: str) -> dict:
+    return canonical(_without(config["evals"][eval_id], EVAL_SCHEDULING_KEYS))
+
+
+def report_params(config: dict) -> dict:
+    """The study as the page shows it: everything but the operational keys."""
+    study = _without(config, ("cluster",))
+    study["serve"] = _without(config["serve"], OPERATIONAL_SERVE_KEYS)
+    study["evals"] = _without(config["evals"], ("client",))
+    return canonical(study)
+
+
+def operational(config: dict) -> dict:
+    """What a job needs to run but what never changes its output: read from the config, not params."""
+    return {"serve": {key: config["serve"][key] for key in OPERATIONAL_SERVE_KEYS if key in config["serve"]},
+            "client": config["evals"]["client"]}
