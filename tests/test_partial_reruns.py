@@ -34,33 +34,131 @@ def _config(work: Path) -> dict:
     return yaml.safe_load((work / "config.yaml").read_text())
 
 
-def _touches(job: tuple[str, dict], build: str) -> bool:
-    rule, wildcards = job
-    return wildcards.get("build") == build or build in (wildcards.get("a"), wildcards.get("b"))
+def job_keys(jobs: list[tuple[str, dict]]) -> list[str]:
+    """One key per job: its rule and the wildcards that say which build and eval (shards counted)."""
+    keys = []
+    for rule, wildcards in jobs:
+        parts = [f"{name}={wildcards[name]}" for name in ("build", "eval", "a", "b") if name in wildcards]
+        keys.append(":".join([rule, *parts]))
+    return sorted(keys)
+
+
+class Study:
+    """What the finished workflow holds: builds, evals, shards; the jobs a change should schedule."""
+
+    def __init__(self, work: Path, config: dict):
+        self.config = config
+        self.builds = list(config["builds"])
+        self.reference = config["reference_build"]
+        self.others = [b for b in self.builds if b != self.reference]
+        self.shards = len(list((work / "results/builds" / self.reference).glob("model-*.safetensors")))
+        self.evals = [e for e in ("mmlu", "gsm8k", "facts", "toolcalls", "agreement") if e in config["evals"]]
+
+    def eval_builds(self, eval_id: str) -> list[str]:
+        return self.config["evals"][eval_id].get("builds") or self.builds
+
+    def eval(self, build: str, eval_id: str) -> list[str]:
+        if build not in self.eval_builds(eval_id):
+            return []
+        if eval_id != "agreement":
+            return [f"eval:build={build}:eval={eval_id}"]
+        rule = "eval_agreement_reference" if build == self.reference else "eval_agreement"
+        return [f"{rule}:build={build}:eval=agreement"]
+
+    def compares(self) -> list[str]:
+        return [f"compare:build={b}" for b in self.others] + \
+            [f"compare_pair:a={a}:b={b}" for a, b in self.config["compare"]["pairs"]]
+
+    def served(self, build: str, evals: list[str] | None = None) -> list[str]:
+        """A build's prediction, server, memory and evals (all of them unless named)."""
+        return [f"serve_prediction:build={build}", f"serve:build={build}", f"serve_memory:build={build}",
+                *[key for e in (evals if evals is not None else self.evals) for key in self.eval(build, e)]]
+
+    def made(self, build: str) -> list[str]:
+        return [f"build_plan:build={build}", *[f"build_shard:build={build}"] * self.shards,
+                f"build_gather:build={build}", *self.served(build)]
+
+    def pairs_with(self, build: str) -> list[str]:
+        return [f"compare_pair:a={a}:b={b}" for a, b in self.config["compare"]["pairs"] if build in (a, b)]
+
+
+def _set(config: dict, dotted: str, value) -> None:
+    *path, last = dotted.split(".")
+    for key in path:
+        config = config[key]
+    config[last] = value
+
+
+def _reversed(value):
+    if isinstance(value, dict):
+        return {key: _reversed(value[key]) for key in reversed(list(value))}
+    return value
+
+
+def _reorder(config: dict) -> None:
+    """Every mapping's keys in reverse order, at every level."""
+    reordered = _reversed(config)
+    config.clear()
+    config.update(reordered)
+
+
+# (what changes, how, the jobs it should schedule); rows Snakemake's service groups cannot meet yet
+# are marked: a server that runs for one eval reruns every consumer of that server.
+SERVICE_GROUP_RERUNS_ALL = pytest.mark.xfail(strict=True, reason=(
+    "issue 17 part 2 (a server shared by reference) not built: Snakemake reruns every consumer of a service "
+    "job that runs (dag.py spares a consumer only when its input is ancient and exists; service outputs are "
+    "deleted when their group ends), so the build's other evals and memory job come along"))
+ROWS = [
+    ("builds.twx3.label", lambda c: _set(c, "builds.twx3.label", "TWX3 relabelled"), lambda s: ["report"]),
+    ("title", lambda c: _set(c, "title", "R-013, re-titled"), lambda s: ["report"]),
+    ("serve.stop_timeout_s", lambda c: _set(c, "serve.stop_timeout_s", 45), lambda s: []),
+    ("serve.startup_timeout_s", lambda c: _set(c, "serve.startup_timeout_s", 900), lambda s: []),
+    ("evals.client.concurrency", lambda c: _set(c, "evals.client.concurrency", 4), lambda s: []),
+    ("evals.client.retries", lambda c: _set(c, "evals.client.retries", 5), lambda s: []),
+    ("cluster.partition", lambda c: _set(c, "cluster.partition", "cpu"), lambda s: []),
+    ("upstream.organism.train.threads", lambda c: _set(c, "upstream.organism.train.threads", 1), lambda s: []),
+    ("upstream.organism.card.threads", lambda c: _set(c, "upstream.organism.card.threads", 1), lambda s: []),
+    ("key order", lambda c: _reorder(c), lambda s: []),
+    ("plan.reserve_gib", lambda c: _set(c, "plan.reserve_gib", 12), lambda s: ["report"]),
+    ("compare.pass_mark_points", lambda c: _set(c, "compare.pass_mark_points", 3.0),
+     lambda s: [*s.compares(), "report"]),
+    ("upstream.organism.card.passages", lambda c: _set(c, "upstream.organism.card.passages", 30),
+     lambda s: ["organism_card", "report"]),
+    ("builds.pruned75.prune.keep_fraction", lambda c: _set(c, "builds.pruned75.prune.keep_fraction", 0.5),
+     lambda s: [*s.made("pruned75"), "compare:build=pruned75", *s.pairs_with("pruned75"), "report"]),
+    ("builds.twx2_5.quantize.max_bits_per_weight",
+     lambda c: _set(c, "builds.twx2_5.quantize.max_bits_per_weight", 2.6),
+     lambda s: [*s.made("twx2_5"), "compare:build=twx2_5", *s.pairs_with("twx2_5"), "report"]),
+    ("serve.max_model_len", lambda c: _set(c, "serve.max_model_len", 1024),
+     lambda s: [*[key for b in s.builds for key in s.served(b)], *s.compares(), "report"]),
+    ("serve.kv_cache_dtype", lambda c: _set(c, "serve.kv_cache_dtype", "bfloat16"),
+     lambda s: [*[key for b in s.builds for key in s.served(b)], *s.compares(), "report"]),
+    pytest.param("evals.gsm8k.items", lambda c: _set(c, "evals.gsm8k.items", c["evals"]["gsm8k"]["items"] // 2),
+                 lambda s: [*[key for b in s.builds for key in s.eval(b, "gsm8k")], *s.compares(), "report"],
+                 marks=SERVICE_GROUP_RERUNS_ALL, id="evals.gsm8k.items"),
+    pytest.param("evals.mmlu.shots", lambda c: _set(c, "evals.mmlu.shots", 3),
+                 lambda s: [*[key for b in s.builds for key in s.eval(b, "mmlu")], *s.compares(), "report"],
+                 marks=SERVICE_GROUP_RERUNS_ALL, id="evals.mmlu.shots"),
+]
 
 
 def test_a_noop_rerun_schedules_nothing(workdir):
     assert dry_run_jobs(workdir) == []
 
 
-def test_the_twx2_5_bit_budget_reruns_only_twx2_5_and_what_reads_it(workdir):
+@pytest.mark.parametrize("what, change, expected",
+                         [row if hasattr(row, "marks") else pytest.param(*row, id=row[0]) for row in ROWS])
+def test_one_changed_key_reruns_exactly_what_reads_it(workdir, what, change, expected):
     config = copy.deepcopy(_config(workdir))
-    config["builds"]["twx2_5"]["quantize"]["max_bits_per_weight"] = 2.6
-    jobs = dry_run_jobs(workdir, config)
-    rules = {rule for rule, _ in jobs}
-    assert {"build_plan", "build_shard", "build_gather", "serve_prediction", "serve", "serve_memory", "eval",
-            "eval_agreement", "compare", "compare_pair", "report"} <= rules, rules
-    strays = [job for job in jobs if job[0] != "report" and not _touches(job, "twx2_5")]
-    assert strays == [], strays
-    shards = [job for job in jobs if job[0] == "build_shard"]
-    assert len(shards) == len(list((workdir / "results/builds/twx2_5").glob("model-*.safetensors")))
+    change(config)
+    assert config != _config(workdir) or what == "key order"
+    study = Study(workdir, _config(workdir))
+    assert job_keys(dry_run_jobs(workdir, config)) == sorted(expected(study))
 
 
-def test_an_eval_item_count_reruns_only_the_evals_of_each_server_then_compare_and_report(workdir):
-    """The changed eval reruns for every build. Its build's server must run for it, and Snakemake reruns
-    every consumer of a service job that runs (dag.py: a consumer is spared only when its input is
-    ancient and exists, and service outputs are deleted when their group ends), so the build's other
-    evals and its memory job come along; nothing upstream of the servers does."""
+def test_an_eval_item_count_reruns_that_eval_and_at_most_its_servers_consumers(workdir):
+    """What the service groups do today (see SERVICE_GROUP_RERUNS_ALL): the changed eval reruns for every
+    build and its server with it; nothing upstream of the servers does."""
     config = copy.deepcopy(_config(workdir))
     config["evals"]["gsm8k"]["items"] = config["evals"]["gsm8k"]["items"] // 2
     jobs = dry_run_jobs(workdir, config)
@@ -68,14 +166,6 @@ def test_an_eval_item_count_reruns_only_the_evals_of_each_server_then_compare_an
     gsm8k = sorted(w["build"] for rule, w in jobs if rule == "eval" and w["eval"] == "gsm8k")
     assert gsm8k == sorted(builds)
     assert sorted(w["build"] for rule, w in jobs if rule == "serve") == sorted(builds)
-    others = sorted(b for b in builds if b != config["reference_build"])
-    assert sorted(w["build"] for rule, w in jobs if rule == "compare") == others
     allowed = {"eval", "eval_agreement", "eval_agreement_reference", "serve", "serve_memory", "compare",
                "compare_pair", "report"}
     assert {rule for rule, _ in jobs} <= allowed, jobs
-
-
-def test_the_report_title_reruns_only_the_report(workdir):
-    config = copy.deepcopy(_config(workdir))
-    config["title"] = "R-013, re-titled"
-    assert dry_run_jobs(workdir, config) == [("report", {})]
