@@ -39,11 +39,14 @@ def eval_params(config: dict, eval_id: str) -> dict:
 
 
 def report_params(config: dict) -> dict:
-    """The study as the page shows it: everything but the operational keys."""
+    """The study as the page shows it: everything but the operational keys. The builds keep their
+    configured order, which is the order of the page's rows."""
     study = _without(config, ("cluster",))
     study["serve"] = _without(config["serve"], OPERATIONAL_SERVE_KEYS)
     study["evals"] = _without(config["evals"], ("client",))
-    return canonical(study)
+    study = canonical(study)
+    study["builds"] = {build_id: canonical(spec) for build_id, spec in config["builds"].items()}
+    return study
 
 
 def operational(config: dict) -> dict:
