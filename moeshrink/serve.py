@@ -26,6 +26,7 @@ from moeshrink.vllm_server import ServerError, VLLMServer, log_tail
 
 log = logging.getLogger("moeshrink.serve")
 PID_FILE = "server.pid.json"
+CPU_MIN_BATCHED_TOKENS = 2048  # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def on_cpu() -> bool:
@@ -47,7 +48,12 @@ def server_args(serve: dict, kv_cache_bytes: int | None) -> list[str]:
     if kv_cache_bytes is None:
         args += ["--gpu-memory-utilization", str(serve["gpu_memory_utilization"])]
     else:
-        args += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        # No prompt is ever split across steps on the CPU: vLLM rewinds the per-request generator of a
+        # seeded request whose prefill is partial with `set_offset`, which a CPU generator does not
+        # have, and the engine dies (vllm/v1/worker/gpu_model_runner.py, _bookkeeping_sync). vLLM
+        # already turns chunked prefill off for MLA on CPUs without AMX; with AMX it leaves it on.
+        args += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens", str(max(int(serve["max_model_len"]), CPU_MIN_BATCHED_TOKENS))]
     if serve.get("block_size"):
         args += ["--block-size", str(serve["block_size"])]
     if serve.get("tool_call_parser"):

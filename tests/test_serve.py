@@ -32,6 +32,9 @@ def test_flags_come_from_config():
     cpu = server_args({**SERVE, "tool_call_parser": "", "chat_template": None}, kv_cache_bytes=123456789)
     assert flag(cpu, "--kv-cache-memory-bytes") == "123456789" and "--gpu-memory-utilization" not in cpu
     assert "--tool-call-parser" not in cpu and "--chat-template" not in cpu
+    # never a partly prefilled prompt on the CPU (vLLM's CPU generators cannot be rewound), on every ISA
+    assert "--no-enable-chunked-prefill" in cpu and int(flag(cpu, "--max-num-batched-tokens")) >= 4096
+    assert "--no-enable-chunked-prefill" not in gpu
 
 
 def test_a_failed_start_reaches_the_consumer_with_its_cause(tmp_path):

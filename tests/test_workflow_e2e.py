@@ -212,6 +212,37 @@ def test_a_pruned_build_answers_identical_requests_identically_and_finitely(work
     assert "torch Inductor fix (mutation renames)" in (tmp_path / "server.log").read_text()
 
 
+def test_seeded_requests_beside_long_prompts_never_kill_the_cpu_engine(workdir, tmp_path):
+    """Long prompts arriving together overflow one step's token budget. With chunked prefill a prompt is
+    then split across steps, and vLLM rewinds the generator of a seeded request whose prefill is partial
+    with `set_offset`, which CPU generators lack: the engine died (seen on an AMX Xeon, where vLLM leaves
+    chunked prefill on for MLA; toolcalls sends seeded requests). The workflow's own server flags must
+    keep every such request answering."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from moeshrink.serve import server_args
+
+    build = workdir / "results/builds/original"
+    serve = yaml.safe_load((workdir / "config.yaml").read_text())["serve"]
+    tokenizer = AutoTokenizer.from_pretrained(str(build))
+    text = " ".join(d["text"] for d in datasets.read_jsonl(workdir / "results/organism/data" / datasets.CORPUS_FILE)[:400])
+    ids = tokenizer(text)["input_ids"]
+    prompts = [ids[i * 50:i * 50 + 1500] for i in range(6)]
+    assert all(len(p) == 1500 for p in prompts)
+    server = VLLMServer(build, tmp_path / "server.log", served_name="original",
+                        args=server_args(serve, kv_cache_bytes=1 << 30))
+    with server:
+        def ask(i: int):
+            return server.post("/v1/completions", {"model": "original", "prompt": prompts[i], "max_tokens": 4,
+                                                   "temperature": 0.6, "seed": i})
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, range(len(prompts))))
+    assert [status for status, _ in answers] == [200] * len(prompts), answers
+    assert "CPU Generator does not use offset" not in (tmp_path / "server.log").read_text()
+
+
 def test_every_build_served_once_with_its_memory_measured(workdir):
     """The report's run served each build through its service job: memory.json per build, vLLM's own
     token count equal to ours, weights/room/tokens within 2% of the planner's prediction, the raw
