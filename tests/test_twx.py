@@ -121,3 +121,23 @@ def test_decoding_ignores_the_default_dtype_it_is_imported_under(tmp_path):
     out = torch.load(tmp_path / "out.pt")
     assert torch.equal(out["twx"], twx.decode(codes, scales, torch.bfloat16))
     assert torch.equal(out["mxfp4"], mxfp4.decode(packed, mx_scales, torch.float32))
+
+
+def test_a_non_finite_weight_is_named_not_encoded():
+    weight = torch.randn(4, 64)
+    weight[2, 37] = float("nan")
+    weight[3, 0] = float("inf")
+    with pytest.raises(twx.TWXFormatError, match=r"layers.1.mlp.experts.5.down_proj: 2 non-finite weights, the first at row 2, column 37"):
+        twx.encode(weight, 3, name="layers.1.mlp.experts.5.down_proj")
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_the_fast_scale_search_chooses_exactly_what_the_plain_search_chooses(bits):
+    generator = torch.Generator().manual_seed(bits)
+    values = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    mxfp4_exact = values[torch.randint(0, 16, (300, 512), generator=generator)] * torch.ldexp(
+        torch.ones(300, 16), torch.randint(-12, -2, (300, 16), generator=generator)).repeat_interleave(32, 1)
+    for weight in (mxfp4_exact.to(torch.bfloat16), torch.randn(2100, 96, generator=generator) * 0.02,
+                   torch.zeros(3, 64)):  # 2100 x 3 blocks: more than one chunk, the last one partial
+        fast, plain = twx.encode(weight, bits), twx.encode_plain(weight, bits)
+        assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
