@@ -110,8 +110,9 @@ def cmd_plan(args) -> int:
 def cmd_serve(args) -> int:
     from moeshrink.serve import run_service
 
-    return run_service(args.build, Path(args.model_dir), json.loads(args.serve_json), Path(args.prediction),
-                       Path(args.endpoint), Path(args.log))
+    serve = {**json.loads(args.serve_json), **json.loads(args.operational_json)}
+    return run_service(args.build, Path(args.model_dir), serve, Path(args.prediction), Path(args.endpoint),
+                       Path(args.log))
 
 
 def cmd_stats(args) -> int:
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--serve-json", required=True, help="the serve config subtree as JSON")
+    p.add_argument("--operational-json", default="{}",
+                   help="serve keys that change no output (startup_timeout_s, stop_timeout_s) as JSON")
     p.add_argument("--prediction", required=True, help="results/serve/{build}/prediction.json")
     p.add_argument("--endpoint", required=True, help="written once the server answers")
     p.add_argument("--log", required=True, help="the server's raw log")

@@ -127,7 +127,8 @@ def _best_scale_bytes(blocks: torch.Tensor, levels: torch.Tensor, chunk_blocks: 
 
 
 @torch.no_grad()
-def encode(weight: torch.Tensor, bits: int, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: int = 256
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """float [rows, K] -> (codes uint8 [rows, K*bits/8], scales uint8 [rows, K/32])."""
     if bits not in LEVELS:
         raise TWXFormatError(f"{name}: TWX has {sorted(LEVELS)}-bit codes, not {bits}")
@@ -135,15 +136,20 @@ def encode(weight: torch.Tensor, bits: int, name: str = "tensor") -> tuple[torch
     levels = LEVELS[bits]
     midpoints = (levels[1:] + levels[:-1]) / 2
     rows, k = weight.shape
-    blocks = weight.to(torch.float32).reshape(-1, GROUP).contiguous()
-    finite = torch.isfinite(blocks)
-    if not bool(finite.all()):
-        first = int((~finite).reshape(-1).nonzero()[0])
-        raise TWXFormatError(f"{name}: {int((~finite).sum())} non-finite weights, the first at row {first // k}, "
-                             f"column {first % k}: the source checkpoint is damaged")
-    scale_bytes = _best_scale_bytes(blocks, levels)
-    codes = torch.bucketize(blocks / decode_scales(scale_bytes).unsqueeze(1), midpoints).to(torch.uint8)
-    return pack_codes(codes.reshape(rows, k), bits), scale_bytes.to(torch.uint8).reshape(rows, k // GROUP)
+    all_codes, all_scales = [], []
+    for start in range(0, rows, chunk_rows):  # a few MB at a time: a shard job's memory stays flat
+        blocks = weight[start:start + chunk_rows].to(torch.float32).reshape(-1, GROUP).contiguous()
+        finite = torch.isfinite(blocks)
+        if not bool(finite.all()):
+            first = start * k + int((~finite).reshape(-1).nonzero()[0])
+            raise TWXFormatError(f"{name}: non-finite weights, the first at row {first // k}, column {first % k}: "
+                                 f"the source checkpoint is damaged")
+        scale_bytes = _best_scale_bytes(blocks, levels)
+        codes = torch.bucketize(blocks / decode_scales(scale_bytes).unsqueeze(1), midpoints).to(torch.uint8)
+        chunk = blocks.shape[0] * GROUP // k
+        all_codes.append(pack_codes(codes.reshape(chunk, k), bits))
+        all_scales.append(scale_bytes.to(torch.uint8).reshape(chunk, k // GROUP))
+    return torch.cat(all_codes), torch.cat(all_scales)
 
 
 @torch.no_grad()

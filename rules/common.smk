@@ -7,7 +7,7 @@ import sys
 from moeshrink.compare import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
 from moeshrink.report_inputs import input_files as report_input_files
-from moeshrink.rule_params import build_params, canonical, eval_params, report_params, serve_params
+from moeshrink.rule_params import build_params, canonical, eval_params, operational, report_params, serve_params
 
 BUILD_IDS = list(config["builds"])
 EVAL_IDS = configured_evals(config)
@@ -16,6 +16,8 @@ UPSTREAM_SOURCE = config["upstream"]["source"]
 ORGANISM = config["upstream"].get("organism", {})
 
 CLUSTER = config["cluster"]
+PYTHON = sys.executable
+SERVE_OPERATIONAL_JSON = json.dumps(operational(config)["serve"])
 
 ORGANISM_DATA = "results/organism/data"
 ORGANISM_DATA_FILES = [

@@ -28,9 +28,7 @@ rule serve:
     output:
         endpoint=service("results/serve/{build}/endpoint.json"),
     params:
-        # the service job's output is its endpoint, consumed at once: params decide nothing here
-        serve=lambda wildcards: json.dumps(config["serve"]),
-        python=sys.executable,
+        serve=lambda wildcards: json.dumps(serve_params(config)),
     log:
         "results/serve/{build}/server.log",
     # one server at a time on a machine: vLLM's CPU build pins its engine to the same cores in every
@@ -46,8 +44,10 @@ rule serve:
         # The endpoint must exist within Snakemake's latency wait: say `starting` before Python loads.
         # exec: the supervisor itself (same pid) receives Snakemake's SIGTERM.
         "printf '{{\"state\": \"starting\", \"supervisor_pid\": %d}}' $$ > {output.endpoint} && "
-        "exec {params.python} -m moeshrink serve --build {wildcards.build} --model-dir results/builds/{wildcards.build} "
-        "--serve-json {params.serve:q} --prediction {input.prediction} --endpoint {output.endpoint} --log {log}"
+        # (the interpreter and the timeouts are no params: they change nothing the server computes)
+        "exec {PYTHON} -m moeshrink serve --build {wildcards.build} --model-dir results/builds/{wildcards.build} "
+        "--serve-json {params.serve:q} --operational-json {SERVE_OPERATIONAL_JSON:q} "
+        "--prediction {input.prediction} --endpoint {output.endpoint} --log {log}"
 
 
 rule serve_memory:
