@@ -6,6 +6,7 @@ the config through `operational`. Reordering config.yaml changes no params."""
 from typing import Any
 
 OPERATIONAL_SERVE_KEYS = ("startup_timeout_s", "stop_timeout_s")
+THREADS = "threads"  # of the organism's training and card: jobs take it from their rule's `threads:`
 DISPLAY_BUILD_KEYS = ("label",)
 # which builds an eval runs on decides which jobs exist, not what one job writes
 EVAL_SCHEDULING_KEYS = ("builds",)
@@ -44,9 +45,23 @@ def report_params(config: dict) -> dict:
     study = _without(config, ("cluster",))
     study["serve"] = _without(config["serve"], OPERATIONAL_SERVE_KEYS)
     study["evals"] = _without(config["evals"], ("client",))
+    organism = config["upstream"].get("organism")
+    if organism:
+        study["upstream"] = {**config["upstream"], "organism": {
+            **organism, "train": _without(organism["train"], (THREADS,)), "card": _without(organism["card"], (THREADS,))}}
     study = canonical(study)
     study["builds"] = {build_id: canonical(spec) for build_id, spec in config["builds"].items()}
     return study
+
+
+def organism_train_params(config: dict) -> dict:
+    """What training computes with (not which path publishes it, where a shipped checkpoint lies, or how
+    many threads run it)."""
+    return canonical(_without(config["upstream"]["organism"]["train"], ("from", "shipped", THREADS)))
+
+
+def organism_card_params(config: dict) -> dict:
+    return canonical(_without(config["upstream"]["organism"]["card"], (THREADS,)))
 
 
 def operational(config: dict) -> dict:

@@ -86,7 +86,7 @@ def check_shape(shape: tuple, name: str) -> None:
 def _best_scale_bytes(blocks: torch.Tensor, levels: torch.Tensor, chunk_blocks: int = 2048) -> torch.Tensor:
     """Per block of 32 (rows of `blocks`, float32), the UE5M3 byte among SEARCH_STEPS around the block's
     absolute maximum with the least squared error; the first such step on ties. The elementwise work runs
-    in numpy on buffers reused across candidates (3-4x faster than the same ops in torch); each block's
+    in numpy on buffers reused across candidates (about 3x faster than the same ops in torch); each block's
     error is still torch's float32 sum over its 32 terms, so every choice is the one torch made."""
     levels_np = levels.numpy()
     midpoints = ((levels[1:] + levels[:-1]) / 2).numpy()

@@ -7,7 +7,8 @@ import sys
 from moeshrink.compare import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
 from moeshrink.report_inputs import input_files as report_input_files
-from moeshrink.rule_params import build_params, canonical, eval_params, operational, report_params, serve_params
+from moeshrink.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
+                                   organism_train_params, report_params, serve_params)
 
 BUILD_IDS = list(config["builds"])
 EVAL_IDS = configured_evals(config)
@@ -27,12 +28,6 @@ ORGANISM_DATA_FILES = [
 ORGANISM_TOKENIZER = "results/organism/tokenizer"
 ORGANISM_TRAINED = "results/organism/trained"
 SHIPPED_FILES = ["model.safetensors", "config.json", "tokenizer.json", "train.json"]
-
-
-def organism_train_params():
-    """The training settings (which path, where a shipped checkpoint lies and how many threads run it
-    change nothing a run trains)."""
-    return canonical({k: v for k, v in ORGANISM["train"].items() if k not in ("from", "shipped", "threads")})
 
 
 def organism_recipe_params():

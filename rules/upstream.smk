@@ -61,7 +61,7 @@ if UPSTREAM_SOURCE == "organism":
                 record=f"{ORGANISM_TRAINED}/train.json",
             params:
                 model=canonical(ORGANISM["model"]),
-                train=organism_train_params(),
+                train=organism_train_params(config),
             threads: ORGANISM["train"]["threads"]
             log:
                 "logs/upstream/organism_train.log",
@@ -106,7 +106,7 @@ if UPSTREAM_SOURCE == "organism":
         output:
             card="results/upstream/organism_card.json",
         params:
-            card=canonical({k: v for k, v in ORGANISM["card"].items() if k != "threads"}),
+            card=organism_card_params(config),
         threads: ORGANISM["card"]["threads"]
         log:
             "logs/upstream/organism_card.log",

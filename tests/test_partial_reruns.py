@@ -126,7 +126,7 @@ ROWS = [
     ("the builds' order", lambda c: _reorder(c, builds_too=True), lambda s: ["report"]),
     ("plan.reserve_gib", lambda c: _set(c, "plan.reserve_gib", 12), lambda s: ["report"]),
     ("compare.pass_mark_points", lambda c: _set(c, "compare.pass_mark_points", 3.0),
-     lambda s: [*s.compares(), "report"]),
+     lambda s: [*[f"compare:build={b}" for b in s.others], "report"]),  # pairs carry no verdict
     ("upstream.organism.card.passages", lambda c: _set(c, "upstream.organism.card.passages", 30),
      lambda s: ["organism_card", "report"]),
     ("builds.pruned75.prune.keep_fraction", lambda c: _set(c, "builds.pruned75.prune.keep_fraction", 0.5),
@@ -156,7 +156,7 @@ def test_a_noop_rerun_schedules_nothing(workdir):
 def test_one_changed_key_reruns_exactly_what_reads_it(workdir, what, change, expected):
     config = copy.deepcopy(_config(workdir))
     change(config)
-    assert config != _config(workdir) or what == "key order"  # dicts compare equal in any order
+    assert config != _config(workdir) or "order" in what  # dicts compare equal in any order
     study = Study(workdir, _config(workdir))
     assert job_keys(dry_run_jobs(workdir, config)) == sorted(expected(study))
 

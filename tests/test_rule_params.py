@@ -4,7 +4,8 @@ from pathlib import Path
 
 import yaml
 
-from moeshrink.rule_params import build_params, eval_params, operational, report_params, serve_params
+from moeshrink.rule_params import (build_params, eval_params, operational, organism_card_params, organism_train_params,
+                                   report_params, serve_params)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,3 +58,13 @@ def test_the_report_keeps_the_configured_order_of_builds():
     assert list(report_params(config)["builds"]) == list(config["builds"])
     config["builds"] = dict(reversed(list(config["builds"].items())))
     assert list(report_params(config)["builds"]) == list(config["builds"])
+
+
+def test_threads_reach_neither_the_organism_rules_nor_the_report():
+    config = _config()
+    fewer = copy.deepcopy(config)
+    fewer["upstream"]["organism"]["train"]["threads"] = 1
+    fewer["upstream"]["organism"]["card"]["threads"] = 1
+    for params in (report_params, organism_train_params, organism_card_params):
+        assert params(fewer) == params(config)
+    assert "from" not in organism_train_params(config) and "steps" in organism_train_params(config)
