@@ -48,7 +48,7 @@ def report_params(config: dict) -> dict:
     organism = config["upstream"].get("organism")
     if organism:
         study["upstream"] = {**config["upstream"], "organism": {
-            **organism, "train": _without(organism["train"], (THREADS,)), "card": _without(organism["card"], (THREADS,))}}
+            **organism, **{part: _without(organism[part], (THREADS,)) for part in ("train", "card") if part in organism}}}
     study = canonical(study)
     study["builds"] = {build_id: canonical(spec) for build_id, spec in config["builds"].items()}
     return study

@@ -68,3 +68,9 @@ def test_threads_reach_neither_the_organism_rules_nor_the_report():
     for params in (report_params, organism_train_params, organism_card_params):
         assert params(fewer) == params(config)
     assert "from" not in organism_train_params(config) and "steps" in organism_train_params(config)
+
+
+def test_every_preset_has_report_params():
+    for preset in sorted((ROOT / "presets").glob("*.yaml")):
+        config = yaml.safe_load(preset.read_text())
+        assert report_params(config)["builds"].keys() == config["builds"].keys(), preset.name
