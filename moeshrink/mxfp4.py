@@ -19,6 +19,9 @@ SCALE_BIAS = 127
 # Magnitudes of codes 0..7; bit 3 is the sign.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 _MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
+# A byte's two values (low nibble first): the sign bit 3 of a code negates its magnitude, -0.0 included.
+_CODE_VALUES = torch.cat([E2M1_VALUES, -E2M1_VALUES])
+_BYTE_VALUES = torch.stack([_CODE_VALUES.repeat(16), _CODE_VALUES.repeat_interleave(16)], dim=-1).contiguous()
 
 
 class MXFP4ShapeError(ValueError):
@@ -77,12 +80,11 @@ def decode(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
                               f"(expected scales [..., {k // BLOCK}] for {k} values per row)")
     if bool((scales == 255).any()):
         raise MXFP4ShapeError(f"{name}: scale byte 255 (NaN) found")
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
-    magnitude = E2M1_VALUES.to(packed.device)[(codes & 0x07).long()]
-    values = torch.where(codes >= 8, -magnitude, magnitude)
-    exponent = scales.to(torch.int32) - SCALE_BIAS
-    out = torch.ldexp(_split_blocks(values), exponent.unsqueeze(-1).to(torch.float32))
-    return out.reshape(*packed.shape[:-1], k).to(dtype)
+    # one 8-byte lookup per byte (both of its values at once): several times faster than two 4-byte ones
+    pairs = _BYTE_VALUES.view(torch.int64).reshape(256).to(packed.device).index_select(0, packed.reshape(-1).long())
+    values = pairs.view(torch.float32).reshape(*packed.shape[:-1], k)
+    power = torch.ldexp(torch.ones((), device=packed.device), scales.to(torch.float32) - SCALE_BIAS)
+    return (_split_blocks(values) * power.unsqueeze(-1)).reshape(*packed.shape[:-1], k).to(dtype)
 
 
 def quantize_values(x: torch.Tensor) -> torch.Tensor:

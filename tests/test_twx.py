@@ -137,7 +137,28 @@ def test_the_fast_scale_search_chooses_exactly_what_the_plain_search_chooses(bit
     values = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
     mxfp4_exact = values[torch.randint(0, 16, (300, 512), generator=generator)] * torch.ldexp(
         torch.ones(300, 16), torch.randint(-12, -2, (300, 16), generator=generator)).repeat_interleave(32, 1)
+    blocks_of = mxfp4_exact.reshape(-1, 32)
+    mixed = torch.cat([blocks_of[:40], torch.zeros(4, 32), blocks_of[40:80] * 2.0 ** -36,  # values off the table
+                       blocks_of[80:120] * 2.0 ** 30, blocks_of[120:160] * (torch.rand(40, 32) < 0.1),
+                       torch.randn(40, 32, generator=generator)]).reshape(-1, 64)
     for weight in (mxfp4_exact.to(torch.bfloat16), torch.randn(2100, 96, generator=generator) * 0.02,
-                   torch.zeros(3, 64)):  # 2100 x 3 blocks: more than one chunk, the last one partial
+                   torch.zeros(3, 64), mixed):  # 2100 x 3 blocks: more than one chunk, the last one partial
         fast, plain = twx.encode(weight, bits), twx.encode_plain(weight, bits)
         assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_the_table_search_decides_mxfp4_blocks_and_hands_the_rest_to_the_per_weight_search(bits, monkeypatch):
+    generator = torch.Generator().manual_seed(10 + bits)
+    mxfp4_blocks = mxfp4.quantize_values(torch.distributions.Laplace(0.0, 0.02).sample((4000, 32)))
+    _, _, decided = twx._table_search(mxfp4_blocks, bits)
+    assert decided.mean() > 0.99
+    _, _, decided = twx._table_search(torch.randn(500, 32, generator=generator), bits)
+    assert not decided.any()  # 23 mantissa bits: no table keys
+    weight = mxfp4_blocks.reshape(-1, 256)
+    plain = twx.encode_plain(weight, bits)
+    monkeypatch.setattr(twx, "NEAR_TIE", 0.05)  # many more blocks go to the per-weight search: same result
+    _, _, decided = twx._table_search(mxfp4_blocks, bits)
+    assert 0.05 < decided.mean() < 0.95
+    fast = twx.encode(weight, bits)
+    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
