@@ -23,7 +23,7 @@ from moeshrink.evals import agreement
 from moeshrink.evals.client import RequestPool
 from moeshrink.ioutil import atomic_write_json
 from moeshrink.provenance import Provenance
-from moeshrink.serve import server_args
+from moeshrink.serve import server_args, server_env
 from moeshrink.vllm_server import VLLMServer
 from moeshrink_kernels.vllm_plugin import LOAD_FORMAT
 
@@ -33,7 +33,8 @@ KV_CACHE_BYTES = 1 << 30
 def served_positions_per_s(build_dir: Path, token_ids: list[list[int]], top_k: int, concurrency: int,
                            serve: dict, log: Path) -> tuple[float, float]:
     args = server_args(serve, KV_CACHE_BYTES)
-    with VLLMServer(build_dir, log, args=args, served_name="bench", startup_timeout_s=1800) as server:
+    with VLLMServer(build_dir, log, args=args, env=server_env(cpu=True), served_name="bench",
+                    startup_timeout_s=1800) as server:
         pool = RequestPool(server, concurrency, retries=2, timeout_s=600)
         pool.map("/v1/completions", [("warm-up", agreement.request("bench", token_ids[0], top_k))])
         started = time.perf_counter()

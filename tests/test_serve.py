@@ -11,7 +11,7 @@ import pytest
 
 from moeshrink.endpoint import EndpointError, wait_for_endpoint
 from moeshrink.ioutil import atomic_write_json
-from moeshrink.serve import PID_FILE, server_args, stop_leftover
+from moeshrink.serve import PID_FILE, server_args, server_env, stop_leftover
 
 SERVE = {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.85, "max_model_len": 4096,
          "tool_call_parser": "hermes", "chat_template": "templates/chat.jinja", "extra_args": ["--trust-remote-code"],
@@ -35,6 +35,18 @@ def test_flags_come_from_config():
     # never a partly prefilled prompt on the CPU (vLLM's CPU generators cannot be rewound), on every ISA
     assert "--no-enable-chunked-prefill" in cpu and int(flag(cpu, "--max-num-batched-tokens")) >= 4096
     assert "--no-enable-chunked-prefill" not in gpu
+
+
+def test_cpu_servers_turn_off_the_aot_compile_vllm_cannot_reload(monkeypatch):
+    from vllm import envs
+
+    assert server_env(cpu=False) == {}
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    assert envs.use_aot_compile()  # vLLM's default with this torch: the path whose load fails on the CPU
+    for key, value in server_env(cpu=True).items():
+        monkeypatch.setenv(key, value)
+    assert not envs.use_aot_compile()
 
 
 def test_a_failed_start_reaches_the_consumer_with_its_cause(tmp_path):

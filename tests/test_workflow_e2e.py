@@ -188,13 +188,15 @@ def test_a_pruned_build_answers_identical_requests_identically_and_finitely(work
 
     from transformers import AutoTokenizer
 
+    from moeshrink.serve import server_env
+
     build = workdir / "results/builds/pruned75"
     tokenizer = AutoTokenizer.from_pretrained(str(build))
     texts = [d["text"] for d in datasets.read_jsonl(workdir / "results/organism/data" / datasets.CORPUS_FILE)[:3]]
     prompts = [tokenizer(text)["input_ids"][:46] for text in texts]
     server = VLLMServer(build, tmp_path / "server.log", served_name="pruned75",
                         args=["--load-format", "moeshrink", "--max-model-len", "2048", "--max-logprobs", "-1"],
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1", **server_env(cpu=True)})
     with server:
         for ids in prompts:
             for prompt_logprobs, max_tokens, repeats in ((1, 8, 10), (100, 1, 3)):
@@ -223,7 +225,7 @@ def test_seeded_requests_beside_long_prompts_never_kill_the_cpu_engine(workdir, 
 
     from transformers import AutoTokenizer
 
-    from moeshrink.serve import server_args
+    from moeshrink.serve import server_args, server_env
 
     build = workdir / "results/builds/original"
     serve = yaml.safe_load((workdir / "config.yaml").read_text())["serve"]
@@ -233,7 +235,7 @@ def test_seeded_requests_beside_long_prompts_never_kill_the_cpu_engine(workdir, 
     prompts = [ids[i * 50:i * 50 + 1500] for i in range(6)]
     assert all(len(p) == 1500 for p in prompts)
     server = VLLMServer(build, tmp_path / "server.log", served_name="original",
-                        args=server_args(serve, kv_cache_bytes=1 << 30))
+                        args=server_args(serve, kv_cache_bytes=1 << 30), env=server_env(cpu=True))
     with server:
         def ask(i: int):
             return server.post("/v1/completions", {"model": "original", "prompt": prompts[i], "max_tokens": 4,
