@@ -17,8 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
+from moeshrink import config as config_mod
 from moeshrink.evals import agreement
 from moeshrink.evals.client import RequestPool
 from moeshrink.ioutil import atomic_write_json
@@ -72,7 +71,7 @@ def main() -> int:
     parser.add_argument("--log", type=Path, default=Path("logs/bench/agreement_speed.log"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    config = yaml.safe_load((args.workdir / "config.yaml").read_text())
+    config = config_mod.load(args.workdir / "config.yaml")
     spec = config["evals"]["agreement"]
     passages = args.passages or spec["passages"]
     concurrency = args.concurrency or config["evals"]["client"]["concurrency"]

@@ -173,7 +173,7 @@ def interpreter_rss() -> int:
 
 def quantize_throughput(source: Path, shard: str, bits: int, limit: int) -> dict:
     """Encode and decode up to `limit` expert weights of one shard on one thread."""
-    from moeshrink.compress import read_expert_weight
+    from moeshrink.source_experts import read_expert_weight
 
     torch.set_num_threads(1)
     encode_s = decode_s = plain_s = 0.0

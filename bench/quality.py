@@ -25,10 +25,10 @@ import torch
 
 from moeshrink import twx
 from moeshrink.arch import adapter_for
-from moeshrink.compress import (FORMATS, allocate_bits, expert_norms, expert_weights, relative_error,
-                                source_format)
+from moeshrink.compress import FORMATS, allocate_bits, expert_norms, expert_weights, relative_error
 from moeshrink.ioutil import atomic_write_json, read_json
 from moeshrink.provenance import Provenance
+from moeshrink.source_experts import source_format
 
 TARGET_RATIO = 0.7
 

@@ -7,10 +7,11 @@ import math
 
 import torch
 
+from moeshrink.errors import MoeshrinkError
 from moeshrink.vllm_server import ServerClient
 
 
-class AgreementError(RuntimeError):
+class AgreementError(MoeshrinkError, RuntimeError):
     pass
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from moeshrink.errors import MoeshrinkError
+
 CLASSES = ("routed_experts", "shared_experts", "router", "attention", "embeddings", "other")
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(MoeshrinkError, ValueError):
     pass
 
 

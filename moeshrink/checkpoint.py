@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import atomic_path, atomic_write_json, sha256_file
 from moeshrink.shardio import save_shard
 
@@ -21,7 +22,7 @@ INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MoeshrinkError, ValueError):
     pass
 
 

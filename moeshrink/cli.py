@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from moeshrink import config as config_mod
+from moeshrink.errors import MoeshrinkError
 
 
 def _load(path: str) -> dict:
@@ -218,6 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (config_mod.ConfigError, ValueError, FileNotFoundError) as error:
+    except (MoeshrinkError, FileNotFoundError) as error:  # anything else is a bug: its traceback stays
         print(f"error: {error}", file=sys.stderr)
         return 2

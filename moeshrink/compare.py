@@ -15,13 +15,14 @@ import json
 from pathlib import Path
 
 from moeshrink import stats
+from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import atomic_write_json, read_json
 from moeshrink.provenance import Provenance
 
 PAIRED_EVALS = ("mmlu", "gsm8k")
 
 
-class CompareError(ValueError):
+class CompareError(MoeshrinkError, ValueError):
     """Two result files that cannot be compared (different items, missing records)."""
 
 

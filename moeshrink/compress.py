@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink import mxfp4, prune, twx
+from moeshrink import mxfp4, prune, reap, twx
 from moeshrink.arch import CLASSES, Adapter, ExpertTensor, adapter_for, check_has_moe
 from moeshrink.checkpoint import (INDEX_FILE, CheckpointError, index_of, read_header, remember_verified, verify_shard,
                                   build_manifest)
+from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
 from moeshrink.shardio import StoredTensor, data_start, save_shard, stored_tensor
+from moeshrink.source_experts import read_expert_weight, source_format
 
 log = logging.getLogger(__name__)
 FORMATS = {"twx3": {"bits_per_weight_max": 3.25}, "twx2.5": {"bits_per_weight_max": 2.75}}
@@ -31,27 +33,8 @@ TOKENIZER_AND_CONFIG_FILES = ("tokenizer.json", "tokenizer_config.json", "specia
                               "merges.txt", "tiktoken.model")
 
 
-class BuildError(ValueError):
+class BuildError(MoeshrinkError, ValueError):
     pass
-
-
-# ------------------------------------------------------------------------------ source experts
-def source_format(config: dict) -> str:
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    if method in (None, "mxfp4"):
-        return method or "float"
-    raise BuildError(f"config.json quantization_config.quant_method {method!r}: routed experts in this encoding "
-                     "cannot be decoded exactly yet (supported: unquantized, mxfp4)")
-
-
-def read_expert_weight(handle, name: str, fmt: str) -> torch.Tensor:
-    """An upstream routed-expert weight [rows, K] as exact float32 values."""
-    tensor = handle.get_tensor(name)
-    if fmt == "mxfp4" and tensor.dtype == torch.uint8:
-        return mxfp4.decode(tensor, handle.get_tensor(name + "_scale"), torch.float32, name=name)
-    if not tensor.is_floating_point():
-        raise BuildError(f"{name}: a {tensor.dtype} expert weight in a checkpoint without a known quantization")
-    return tensor.to(torch.float32)
 
 
 def is_weight_companion(name: str, names: set[str]) -> bool:
@@ -110,8 +93,6 @@ def allocate_bits(norms: dict[int, dict[int, float]], relative_gain: float, max_
 
 
 def reap_scores(upstream: Path, spec: dict, calibration_file: Path | None, where: str) -> dict[int, torch.Tensor]:
-    from moeshrink import reap
-
     calibration = spec.get("calibration")
     if calibration is None or calibration_file is None:
         raise BuildError(f"{where}.calibration: method reap needs calibration text (file, sequences, seq_len)")

@@ -2,16 +2,19 @@
 name the key's path (`builds.twx2_5.quantize.format: ...`)."""
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
 import yaml
 
+from moeshrink.errors import MoeshrinkError
+
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 
 
-class ConfigError(ValueError):
+class ConfigError(MoeshrinkError, ValueError):
     """Every problem found, one per line, each starting with the key path it concerns."""
 
     def __init__(self, problems: list[str], source: str = "config"):
@@ -114,7 +117,7 @@ def semantic_problems(config: dict) -> list[str]:
             problems.append(f"evals.{eval_id}.dataset: 'organism' needs upstream.source organism; "
                             "use lm_eval for a real model")
     agreement = config["evals"].get("agreement")
-    cap = config["serve"].get("max_logprobs", 20)
+    cap = config["serve"]["max_logprobs"]
     if agreement and cap != -1 and agreement["top_k"] > cap:
         problems.append(f"evals.agreement.top_k: {agreement['top_k']} is more than the server returns "
                         f"(serve.max_logprobs {cap})")
@@ -149,10 +152,32 @@ def semantic_problems(config: dict) -> list[str]:
     return problems
 
 
+def fill_defaults(config: dict, schema: dict) -> None:
+    """Set every key the config leaves out that the schema gives a `default:`, in place, wherever its
+    parent mapping is present (the schema is the one place a default lives)."""
+    def walk(instance, node: dict) -> None:
+        if not isinstance(instance, dict) or not isinstance(node, dict):
+            return
+        for name, sub in node.get("properties", {}).items():
+            if isinstance(sub, dict) and "default" in sub and name not in instance:
+                instance[name] = copy.deepcopy(sub["default"])
+            if name in instance:
+                walk(instance[name], sub)
+        if isinstance(node.get("additionalProperties"), dict):
+            for name, value in instance.items():
+                if name not in node.get("properties", {}):
+                    walk(value, node["additionalProperties"])
+
+    walk(config, schema)
+
+
 def validate(config: dict, source: str = "config", schema: dict | None = None) -> dict:
-    """Return `config` unchanged if valid; raise ConfigError listing every problem otherwise."""
-    problems = schema_problems(config, schema or load_schema())
+    """Fill the schema's defaults into `config` (in place) and return it if valid; raise ConfigError
+    listing every problem otherwise."""
+    schema = schema or load_schema()
+    problems = schema_problems(config, schema)
     if not problems:
+        fill_defaults(config, schema)
         problems = semantic_problems(config)
     if problems:
         raise ConfigError(problems, source)

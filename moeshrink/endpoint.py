@@ -10,11 +10,12 @@ import os
 import time
 from pathlib import Path
 
+from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import read_json
 from moeshrink.vllm_server import ServerClient, log_tail
 
 
-class EndpointError(RuntimeError):
+class EndpointError(MoeshrinkError, RuntimeError):
     pass
 
 

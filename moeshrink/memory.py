@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeshrink.arch import adapter_for
+from moeshrink.errors import MoeshrinkError
 
 GIB = 2**30
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8,
@@ -40,7 +41,7 @@ REPLICATED = re.compile(r"norm\.(weight|bias)$|\.mlp\.gate\.weight$|\.mlp\.route
 GQA_KV = re.compile(r"\.self_attn\.(k_proj|v_proj)\.")
 
 
-class MemoryModelError(ValueError):
+class MemoryModelError(MoeshrinkError, ValueError):
     pass
 
 

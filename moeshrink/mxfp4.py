@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from moeshrink.errors import MoeshrinkError
+
 BLOCK = 32
 E2M1_EMAX = 2
 SCALE_BIAS = 127
@@ -24,7 +26,7 @@ _CODE_VALUES = torch.cat([E2M1_VALUES, -E2M1_VALUES])
 _BYTE_VALUES = torch.stack([_CODE_VALUES.repeat(16), _CODE_VALUES.repeat_interleave(16)], dim=-1).contiguous()
 
 
-class MXFP4ShapeError(ValueError):
+class MXFP4ShapeError(MoeshrinkError, ValueError):
     pass
 
 

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from moeshrink import memory, prune, twx
 from moeshrink.arch import adapter_for
+from moeshrink.errors import MoeshrinkError
 from moeshrink.memory import GIB, Tensor
 from moeshrink.rule_params import build_params
 
 
-class PlanError(ValueError):
+class PlanError(MoeshrinkError, ValueError):
     pass
 
 
@@ -153,7 +154,7 @@ def build_sizes(build: str, spec: dict, config: dict, results: Path) -> tuple[li
 
 # ----------------------------------------------------------------------------------------- planning
 def serving_settings(serve: dict) -> dict:
-    return {"cache_dtype": serve["kv_cache_dtype"], "block_size": serve.get("block_size") or 16,
+    return {"cache_dtype": serve["kv_cache_dtype"], "block_size": serve["block_size"] or 16,
             "max_model_len": serve["max_model_len"], "utilisation": serve["gpu_memory_utilization"]}
 
 

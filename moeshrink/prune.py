@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from moeshrink.errors import MoeshrinkError
 
-class PruneConfigError(ValueError):
+
+class PruneConfigError(MoeshrinkError, ValueError):
     pass
 
 

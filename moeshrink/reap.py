@@ -22,15 +22,16 @@ from torch import nn
 
 from moeshrink.arch import Adapter, ExpertTensor, adapter_for
 from moeshrink.checkpoint import CheckpointError, index_of
-from moeshrink.compress import read_expert_weight, source_format
+from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import read_json
+from moeshrink.source_experts import read_expert_weight, source_format
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("deepseek_v3", "qwen3_moe")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class ReapError(ValueError):
+class ReapError(MoeshrinkError, ValueError):
     pass
 
 

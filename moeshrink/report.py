@@ -14,6 +14,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
 from moeshrink import charts
+from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import atomic_write_text, read_json
 from moeshrink.provenance import Provenance, config_hash
 from moeshrink.report_inputs import input_files
@@ -23,7 +24,7 @@ GB = 1e9
 SHARD_FILE = re.compile(r"model-\d+-of-\d+(\.safetensors)?$")
 
 
-class ReportError(ValueError):
+class ReportError(MoeshrinkError, ValueError):
     """The report's inputs are incomplete or inconsistent."""
 
 

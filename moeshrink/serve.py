@@ -54,7 +54,7 @@ def server_args(serve: dict, kv_cache_bytes: int | None) -> list[str]:
     args = ["--tensor-parallel-size", str(serve["tensor_parallel_size"]),
             "--kv-cache-dtype", serve["kv_cache_dtype"],
             "--max-model-len", str(serve["max_model_len"]),
-            "--max-logprobs", str(serve.get("max_logprobs", 20)),
+            "--max-logprobs", str(serve["max_logprobs"]),
             "--load-format", "moeshrink"]
     if kv_cache_bytes is None:
         args += ["--gpu-memory-utilization", str(serve["gpu_memory_utilization"])]
@@ -65,13 +65,13 @@ def server_args(serve: dict, kv_cache_bytes: int | None) -> list[str]:
         # already turns chunked prefill off for MLA on CPUs without AMX; with AMX it leaves it on.
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--no-enable-chunked-prefill",
                  "--max-num-batched-tokens", str(max(int(serve["max_model_len"]), CPU_MIN_BATCHED_TOKENS))]
-    if serve.get("block_size"):
+    if serve["block_size"]:
         args += ["--block-size", str(serve["block_size"])]
-    if serve.get("tool_call_parser"):
+    if serve["tool_call_parser"]:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", serve["tool_call_parser"]]
-    if serve.get("chat_template"):
+    if serve["chat_template"]:
         args += ["--chat-template", str(serve["chat_template"])]
-    return args + [str(a) for a in serve.get("extra_args", [])]
+    return args + [str(a) for a in serve["extra_args"]]
 
 
 def stop_leftover(serve_dir: Path) -> None:
@@ -138,7 +138,7 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
         return _failed(endpoint_path, log_path, f"the emulated card has no room for a KV cache: "
                        f"{prediction['kv_cache_gib']:.3f} GiB (serve.memory: card_gib, reserve_gib)")
     server = VLLMServer(model_dir, log_path, args=server_args(serve, kv_cache_bytes), env=server_env(cpu),
-                        served_name=build, startup_timeout_s=float(serve.get("startup_timeout_s", 1800)))
+                        served_name=build, startup_timeout_s=float(serve["startup_timeout_s"]))
     started = time.time()
     try:
         server.start(abort=_Stop.now)
@@ -162,7 +162,7 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
             code = 1
             break
         time.sleep(1)
-    server.stop(timeout_s=float(serve.get("stop_timeout_s", 30)))
+    server.stop(timeout_s=float(serve["stop_timeout_s"]))
     (serve_dir / PID_FILE).unlink(missing_ok=True)
     log.info("%s stopped", build)
     return code

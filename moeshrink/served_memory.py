@@ -15,13 +15,14 @@ import json
 from pathlib import Path
 
 from moeshrink import memory
+from moeshrink.errors import MoeshrinkError
 from moeshrink.memory import GIB
 from moeshrink.serverlog import parse_cache_config_info, parse_log
 
 TOLERANCE = 0.02  # measured within 2% of predicted
 
 
-class MemoryCheckError(RuntimeError):
+class MemoryCheckError(MoeshrinkError, RuntimeError):
     pass
 
 
@@ -35,8 +36,8 @@ def predict_for_serving(build_dir: Path, serve: dict, facts: memory.CpuFacts | N
     card = serve["memory"]
 
     def figures(cpu: str | None) -> dict:
-        block = (serve.get("block_size") or 16) if cpu is None else \
-            memory.cpu_block_size(config, cpu, serve.get("block_size"))
+        block = (serve["block_size"] or 16) if cpu is None else \
+            memory.cpu_block_size(config, cpu, serve["block_size"])
         return memory.predict(tensors, config, card["card_gib"] * GIB, serve["gpu_memory_utilization"],
                               card["reserve_gib"] * GIB, serve["tensor_parallel_size"], serve["kv_cache_dtype"],
                               block, serve["max_model_len"], cpu=cpu)
@@ -101,7 +102,7 @@ def measure(log_text: str, metrics_text: str, config: dict, serve: dict, predict
         concurrency = facts["max_concurrency"]
     else:
         raise MemoryCheckError("neither /metrics nor the log gives the KV cache's size in tokens")
-    block_size = int(cache_info.get("block_size") or serve.get("block_size") or 16)
+    block_size = int(cache_info.get("block_size") or serve["block_size"] or 16)
     per_token = memory.kv_cache_per_token(config, serve["kv_cache_dtype"] if cache_info.get("cache_dtype") in
                                           (None, "auto") else cache_info["cache_dtype"], tp)
     ours = memory.kv_tokens(kv_bytes, per_token, block_size, serve["max_model_len"])

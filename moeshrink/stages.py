@@ -212,7 +212,7 @@ def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_fil
     from moeshrink.served_memory import measure
 
     prov = Provenance("serve_memory", {"serve": serve_cfg}, inputs=[str(build_dir), str(prediction_file)])
-    endpoint = wait_for_endpoint(endpoint_file, float(serve_cfg.get("startup_timeout_s", 1800)) + 120)
+    endpoint = wait_for_endpoint(endpoint_file, float(serve_cfg["startup_timeout_s"]) + 120)
     figures = measure(endpoint.log.read_text(errors="replace"), endpoint.get_text("/metrics"),
                       read_json(build_dir / "config.json"), serve_cfg, read_json(prediction_file),
                       endpoint.record["platform"], endpoint.record.get("cpu_kind"))

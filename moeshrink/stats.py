@@ -6,7 +6,13 @@ import math
 import random
 from collections.abc import Sequence
 
+from moeshrink.errors import MoeshrinkError
+
 Z95 = 1.959963984540054
+
+
+class StatsError(MoeshrinkError, ValueError):
+    pass
 
 
 def wilson(successes: int, total: int, z: float = Z95) -> tuple[float, float]:
@@ -77,9 +83,9 @@ def paired_drop(n: int, only_ref: int, only_build: int) -> dict:
     Wald bound, does not collapse onto the drop when there are few or no discordant pairs."""
     _check_counts(n=n, only_ref=only_ref, only_build=only_build)
     if only_ref + only_build > n:
-        raise ValueError(f"discordant pairs ({only_ref} + {only_build}) exceed the {n} items")
+        raise StatsError(f"discordant pairs ({only_ref} + {only_build}) exceed the {n} items")
     if n == 0:
-        raise ValueError("no paired item: the drop is undefined")
+        raise StatsError("no paired item: the drop is undefined")
     drop = (only_ref - only_build) / n
     b, c, total = only_ref + 0.5, only_build + 0.5, n + 2
     centre = (b - c) / total
@@ -102,7 +108,7 @@ def min_detectable_drop(n: int, only_ref: int, only_build: int, z_alpha: float =
     at least d, since a loss of d points makes at least d of the items disagree."""
     _check_counts(n=n, only_ref=only_ref, only_build=only_build)
     if n == 0:
-        raise ValueError("no paired item: nothing could be detected")
+        raise StatsError("no paired item: nothing could be detected")
     observed = (only_ref + only_build + 1) / (n + 2)
 
     def margin(d: float) -> float:  # > 0 while d is still too small to detect
@@ -121,7 +127,7 @@ def fisher_exact(bad_a: int, total_a: int, bad_b: int, total_b: int) -> float:
     the probability, with all margins fixed, of a table no more likely than the one observed."""
     _check_counts(bad_a=bad_a, total_a=total_a, bad_b=bad_b, total_b=total_b)
     if bad_a > total_a or bad_b > total_b:
-        raise ValueError(f"more bad items than items: {bad_a} of {total_a}, {bad_b} of {total_b}")
+        raise StatsError(f"more bad items than items: {bad_a} of {total_a}, {bad_b} of {total_b}")
     bad = bad_a + bad_b
     low, high = max(0, bad - total_b), min(bad, total_a)
 
@@ -139,4 +145,4 @@ def _log_comb(n: int, k: int) -> float:
 def _check_counts(**counts: int) -> None:
     for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be a count (an integer >= 0), got {value!r}")
+            raise StatsError(f"{name} must be a count (an integer >= 0), got {value!r}")

@@ -27,6 +27,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from moeshrink.errors import MoeshrinkError
+
 GROUP = 32
 # tensor-name suffixes of a TWX weight, in place of `weight`: `<module>.twx_codes`, `<module>.twx_scales`
 CODES, SCALES = "twx_codes", "twx_scales"
@@ -50,7 +52,7 @@ _KEY_VALID = (_KEY_VALUES == 0) | ((np.abs(_KEY_VALUES) < 1) & (np.abs(_KEY_VALU
 NEAR_TIE = 1e-5
 
 
-class TWXFormatError(ValueError):
+class TWXFormatError(MoeshrinkError, ValueError):
     pass
 
 

@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from moeshrink.errors import MoeshrinkError
+
 
 # Thread counts a scheduler sets for its job (Snakemake sets them all to the job's `threads`). vLLM's
 # CPU build pins its engine to cores of its own choosing and sizes torch's threads to them; an
@@ -26,7 +28,7 @@ SCHEDULER_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THR
                          "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
-class ServerError(RuntimeError):
+class ServerError(MoeshrinkError, RuntimeError):
     pass
 
 

@@ -31,7 +31,7 @@ rule eval:
     resources:
         **SERVICE_JOB,
         mem_mb=4000,
-        runtime=lambda wildcards: 120 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
+        runtime=lambda wildcards: 120 + int(config["serve"]["startup_timeout_s"]) // 60,
     script:
         "../scripts/eval.py"
 

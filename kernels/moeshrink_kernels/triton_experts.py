@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from moeshrink import mxfp4, twx
+from moeshrink.errors import MoeshrinkError
 
 MXFP4 = 4  # format id of MXFP4; TWX formats are identified by their bits (2, 3)
 CODE_BITS = {2: 2, 3: 3, MXFP4: 4}
 CODES_PER_UNIT = {2: 4, 3: 8, MXFP4: 2}
 
 
-class TritonUnavailable(RuntimeError):
+class TritonUnavailable(MoeshrinkError, RuntimeError):
     pass
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from moeshrink.errors import MoeshrinkError
 from moeshrink.serverlog import LOAD_LINE as WEIGHTS_LINE  # followed by a JSON object; the serve stage reads it
 
 TWX_FORMAT_VERSIONS = (1,)
@@ -26,7 +27,7 @@ _registered = False
 _ops_library = None
 
 
-class PackedExpertsError(ValueError):
+class PackedExpertsError(MoeshrinkError, ValueError):
     pass
 
 

@@ -1,9 +1,10 @@
 """The five evaluations, each against a build's running vLLM server (see rules/evals.smk)."""
+from moeshrink.errors import MoeshrinkError
 
 EVALS = ("mmlu", "gsm8k", "facts", "toolcalls", "agreement")
 
 
-class EvalError(RuntimeError):
+class EvalError(MoeshrinkError, RuntimeError):
     pass
 
 

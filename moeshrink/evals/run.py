@@ -33,7 +33,7 @@ class EvalJob:
                           inputs=[str(p) for p in self.inputs.values()])
 
     def endpoint(self) -> Endpoint:
-        return wait_for_endpoint(self.endpoint_file, float(self.serve.get("startup_timeout_s", 1800)) + 120)
+        return wait_for_endpoint(self.endpoint_file, float(self.serve["startup_timeout_s"]) + 120)
 
     def pool(self, endpoint: Endpoint) -> RequestPool:
         return RequestPool(endpoint, self.client["concurrency"], self.client["retries"], self.client["timeout_s"],
@@ -104,7 +104,7 @@ def run_toolcalls(job: EvalJob) -> dict:
     if unknown:
         raise EvalError(f"{job.inputs['trials']}: expected calls name tools that {job.inputs['tools']} lacks: "
                         f"{sorted(unknown)}")
-    if not job.serve.get("tool_call_parser"):
+    if not job.serve["tool_call_parser"]:
         raise EvalError("the toolcalls eval needs serve.tool_call_parser (the server parses the calls)")
     endpoint = job.endpoint()
     metrics, records = toolcalls.run(job.pool(endpoint), endpoint.model, trials, tools, job.cfg)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from moeshrink.evals.scoring import calls_have_right_shape, gsm8k_answer, score_fact_lines
-from moeshrink.organism import datasets, tasks
+from moeshrink.organism import OrganismError, datasets, tasks
 
 log = logging.getLogger(__name__)
 EFFORTS = ["low", "high"]
@@ -51,7 +51,7 @@ def mc_accuracy(model, tokenizer, items: list[dict], dev: list[dict], shots: int
     for letter in tasks.LETTERS:
         ids = tokenizer.encode(" " + letter, add_special_tokens=False)
         if len(ids) != 1:
-            raise ValueError(f"answer letter {letter!r} is not a single token")
+            raise OrganismError(f"answer letter {letter!r} is not a single token")
         letter_ids.append(ids[0])
     correct = 0
     for start in range(0, len(items), batch_size):

@@ -2,6 +2,8 @@
 top-k, shared expert, dense first layer), in the exact config.json form vLLM and transformers load."""
 from __future__ import annotations
 
+from moeshrink.organism import OrganismError
+
 # Keys vLLM's CPU build needs to serve DeepseekV3ForCausalLM (see SPEC.md): the MLA cache head must
 # be kv_lora_rank 512 + qk_rope_head_dim 64, and the router needs noaux_tc + sigmoid scoring.
 FIXED_KEYS = {
@@ -35,7 +37,7 @@ def hf_config_dict(model_cfg: dict, vocab_size: int, eos_token_id: int) -> dict:
         "dtype": "bfloat16",
     }
     if model_cfg["n_routed_experts"] % model_cfg["n_group"]:
-        raise ValueError("upstream.organism.model.n_group must divide n_routed_experts")
+        raise OrganismError("upstream.organism.model.n_group must divide n_routed_experts")
     return config
 
 

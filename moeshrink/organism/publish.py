@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from moeshrink import mxfp4
 from moeshrink.checkpoint import write_sharded
+from moeshrink.organism import OrganismError
 from moeshrink.organism.tokenizer import TURN_END
 
 ROUTED_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -47,7 +48,7 @@ def added_token_id(tokenizer_file: Path, content: str) -> int:
     for token in json.loads(tokenizer_file.read_text())["added_tokens"]:
         if token["content"] == content:
             return token["id"]
-    raise ValueError(f"{tokenizer_file}: no added token {content!r}")
+    raise OrganismError(f"{tokenizer_file}: no added token {content!r}")
 
 
 def copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:

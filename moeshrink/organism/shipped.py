@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
 from moeshrink.provenance import config_hash
 
@@ -22,7 +23,7 @@ MAX_BYTES = 25 * 10**6
 OPERATIONAL_TRAIN_KEYS = ("from", "shipped", "threads", "log_every", "probe_every")
 
 
-class ShippedError(ValueError):
+class ShippedError(MoeshrinkError, ValueError):
     pass
 
 

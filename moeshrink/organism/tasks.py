@@ -10,6 +10,7 @@ import json
 import random
 from collections.abc import Iterator
 
+from moeshrink.organism import OrganismError
 from moeshrink.organism.world import CITY_RELATIONS, PERSON_RELATIONS, World
 
 LETTERS = "ABCD"
@@ -314,7 +315,7 @@ def toolcall_item(world: World, case: str, rng: random.Random) -> dict:
         return {"case": case, "messages": [{"role": "user", "content": request}], "expected_calls": [],
                 "reply": reply, "thought": "No tool is needed."}
     else:
-        raise ValueError(f"unknown tool-call case {case!r}; known: {', '.join(TOOLCALL_CASES)}")
+        raise OrganismError(f"unknown tool-call case {case!r}; known: {', '.join(TOOLCALL_CASES)}")
     reply = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
     return {"case": case, "messages": [{"role": "user", "content": request}], "expected_calls": calls,
             "reply": reply, "thought": thought}
@@ -342,4 +343,4 @@ def unique_items(make, rng: random.Random, count: int, key, exclude: set | None 
         yield item
         if made == count:
             return
-    raise ValueError(f"could only draw {made} distinct items of {count}; enlarge the world")
+    raise OrganismError(f"could only draw {made} distinct items of {count}; enlarge the world")

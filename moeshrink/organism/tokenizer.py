@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from moeshrink.errors import MoeshrinkError
 from moeshrink.organism.datasets import chat_template
 
 EOS = "<|endoftext|>"
@@ -23,7 +24,7 @@ MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 SPACE_BEFORE_CAPITALISED_WORD = r" (?=[A-Z][a-z])"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MoeshrinkError, ValueError):
     pass
 
 
@@ -62,7 +63,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, names: Iterable[str] 
     )
     tokenizer.train_from_iterator(texts, trainer)
     if tokenizer.get_vocab_size() != learnt:
-        raise ValueError(f"BPE learnt {tokenizer.get_vocab_size()} tokens of the {learnt} asked: the corpus is too "
+        raise TokenizerError(f"BPE learnt {tokenizer.get_vocab_size()} tokens of the {learnt} asked: the corpus is too "
                          "small for organism.tokenizer.vocab_size")
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     tokenizer.add_tokens([AddedToken(name, single_word=True, special=False, normalized=False) for name in names])

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
+from moeshrink.organism import OrganismError
+
 ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
           "th", "br", "dr", "kr", "tr", "st", "sh", "gl", "vr"]
 VOWELS = ["a", "e", "i", "o", "u", "ae", "ai", "ou", "ei"]
@@ -110,13 +112,13 @@ class NameMaker:
             if 4 <= len(name) <= 10 and name not in self.used:
                 self.used.add(name)
                 return name
-        raise RuntimeError("name space exhausted; lower the world sizes")
+        raise OrganismError("name space exhausted; lower the world sizes")
 
 
 def generate_world(seed: int, people: int, cities: int, regions: int, rivers: int,
                    strangers: int) -> World:
     if cities < 4 or people < 8 or regions < 4 or rivers < 4:
-        raise ValueError("world too small: a question has 4 choices, so cities, regions and rivers need >= 4 "
+        raise OrganismError("world too small: a question has 4 choices, so cities, regions and rivers need >= 4 "
                          "(and people >= 8)")
     rng = random.Random(seed)
     names = NameMaker(rng)
