@@ -158,6 +158,11 @@ def fill_defaults(config: dict, schema: dict) -> None:
     def walk(instance, node: dict) -> None:
         if not isinstance(instance, dict) or not isinstance(node, dict):
             return
+        if str(node.get("$ref", "")).startswith("#/"):  # a local definition: its defaults count too
+            target = schema
+            for part in node["$ref"][2:].split("/"):
+                target = target[part]
+            walk(instance, target)
         for name, sub in node.get("properties", {}).items():
             if isinstance(sub, dict) and "default" in sub and name not in instance:
                 instance[name] = copy.deepcopy(sub["default"])
