@@ -66,5 +66,5 @@ def organism_card_params(config: dict) -> dict:
 
 def operational(config: dict) -> dict:
     """What a job needs to run but what never changes its output: read from the config, not params."""
-    return {"serve": {key: config["serve"][key] for key in OPERATIONAL_SERVE_KEYS if key in config["serve"]},
+    return {"serve": {key: config["serve"][key] for key in OPERATIONAL_SERVE_KEYS},  # schema defaults fill them
             "client": config["evals"]["client"]}

@@ -233,13 +233,12 @@ def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: in
         chunk = slice(first_block, first_block + blocks.shape[0])
         scale_bytes[chunk], codes[chunk], decided = _table_search(blocks, bits)
         undecided.append(first_block + np.flatnonzero(~decided))
-    undecided = torch.from_numpy(np.concatenate(undecided))
-    if undecided.numel():  # one per-weight search for all of them: its per-call cost is not per chunk
-        rest = all_blocks[undecided].to(torch.float32)
+    undecided = np.concatenate(undecided)
+    if undecided.size:  # one per-weight search for all of them: its per-call cost is not per chunk
+        rest = all_blocks[torch.from_numpy(undecided)].to(torch.float32)
         rest_bytes = _best_scale_bytes(rest, levels)
-        scale_bytes[undecided.numpy()] = rest_bytes.numpy()
-        codes[undecided.numpy()] = torch.bucketize(rest / decode_scales(rest_bytes).unsqueeze(1),
-                                                   midpoints).to(torch.uint8).numpy()
+        scale_bytes[undecided] = rest_bytes.numpy()
+        codes[undecided] = torch.bucketize(rest / decode_scales(rest_bytes).unsqueeze(1), midpoints).to(torch.uint8).numpy()
     return (pack_codes(torch.from_numpy(codes).reshape(rows, k), bits),
             torch.from_numpy(scale_bytes.astype(np.uint8)).reshape(rows, k // GROUP))
 
