@@ -29,3 +29,13 @@ rule all:
     default_target: True
     input:
         "report/r013.html",
+
+
+# The builds' servers outlive their last job by serve.idle_grace_s (jobs back to back reuse them); once
+# the workflow ends there is no next job, so its idle servers stop now.
+onsuccess:
+    stop_idle_servers()
+
+
+onerror:
+    stop_idle_servers()

@@ -22,7 +22,7 @@ STAGES = {  # stage: (rules, budget in seconds on 2 cores)
     "organism card": (("upstream_bf16_twin", "organism_card"), 90),
     "builds (all shards, all builds)": (("build_plan", "build_shard", "build_gather"), 60),
     "serve + memory + evals, all builds": (
-        ("serve_prediction", "serve", "serve_memory", "eval", "eval_agreement", "eval_agreement_reference"), 660),
+        ("serve_prediction", "serve_memory", "eval", "eval_agreement", "eval_agreement_reference"), 660),
     "compare + report": (("compare", "compare_pair", "report"), 30),
 }
 MAIN_BUDGET_S = 25 * 60

@@ -113,7 +113,7 @@ def cmd_serve(args) -> int:
 
     serve = {**json.loads(args.serve_json), **json.loads(args.operational_json)}
     return run_service(args.build, Path(args.model_dir), serve, Path(args.prediction), Path(args.endpoint),
-                       Path(args.log))
+                       Path(args.log), args.queue_order)
 
 
 def cmd_stats(args) -> int:
@@ -199,14 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the table as JSON here")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("serve", help="serve one build with vLLM until SIGTERM (the workflow's service job)")
+    p = sub.add_parser("serve", help="serve one build with vLLM while jobs lease it (the supervisor the first "
+                                     "lessee starts; see moeshrink.server_lease)")
     p.add_argument("--build", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--serve-json", required=True, help="the serve config subtree as JSON")
     p.add_argument("--operational-json", default="{}",
-                   help="serve keys that change no output (startup_timeout_s, stop_timeout_s) as JSON")
+                   help="serve keys that change no output (startup_timeout_s, stop_timeout_s, idle_grace_s, "
+                        "servers_per_machine) as JSON")
     p.add_argument("--prediction", required=True, help="results/serve/{build}/prediction.json")
-    p.add_argument("--endpoint", required=True, help="written once the server answers")
+    p.add_argument("--endpoint", required=True, help="the server's record: queued, starting, ready, failed, stopped")
+    p.add_argument("--queue-order", type=int, default=0, help="the build's place in the machine's server queue")
     p.add_argument("--log", required=True, help="the server's raw log")
     p.set_defaults(func=cmd_serve)
 

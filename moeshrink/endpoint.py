@@ -1,17 +1,16 @@
-"""The consumer's side of a build's server: wait for its endpoint file, then talk to it.
+"""The lessee's side of a build's server: wait for its record to say `ready`, then talk to it.
 
-A consumer starts together with the service job (Snakemake runs a service group at once), so it
-waits until the endpoint says `ready` or `failed`. Once serving, a request that fails because the
-server has gone names the build and the server's log instead of a bare connection error.
+A job that has leased its build's server (moeshrink.server_lease) waits here until the supervisor's
+record says `ready`, `failed` or `stopped`. Once serving, a request that fails because the server has
+gone names the build and the server's log instead of a bare connection error.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 from moeshrink.errors import MoeshrinkError
-from moeshrink.ioutil import read_json
+from moeshrink.server_lease import SUPERVISOR_LOG, alive, read_record
 from moeshrink.vllm_server import ServerClient, log_tail
 
 
@@ -19,14 +18,8 @@ class EndpointError(MoeshrinkError, RuntimeError):
     pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class EndpointError(MoeshrinkError, RuntimeError):
+    pass
 
 
 class Endpoint(ServerClient):
@@ -38,7 +31,7 @@ class Endpoint(ServerClient):
         self.log = Path(record["log"])
 
     def alive(self) -> bool:
-        return _alive(int(self.record["server_pid"]))
+        return alive(int(self.record["server_pid"]))
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float = 600) -> tuple[int, dict]:
         try:
@@ -59,51 +52,40 @@ class Endpoint(ServerClient):
             raise
 
 
-def _read(path: Path) -> dict | None:
-    try:
-        return read_json(path)
-    except (OSError, ValueError):  # not there yet, or being written by the shell
-        return None
-
-
-def wait_for_endpoint(path: Path, timeout_s: float, poll_s: float = 2, grace_s: float = 15,
-                      appear_s: float = 30) -> Endpoint:
-    """The build's server once it answers. The serve job writes `starting` at once (Snakemake wants a
-    service's output to exist within its latency wait), then `ready` or `failed`. Fails within
-    seconds, naming the cause, when the endpoint file disappears after it was seen (Snakemake
-    removes a service's output when it ends the build's group, e.g. because another job of the
-    group failed), when no serve job writes it within `appear_s`, and when its supervisor or server
-    is gone (a supervisor gone within `grace_s` may be an earlier run's file about to be replaced)."""
-    started = time.time()
+def wait_for_endpoint(path: Path, timeout_s: float, poll_s: float = 2) -> Endpoint:
+    """The build's server once it answers. While its supervisor waits for a machine slot (`queued`) no
+    time is counted; from `starting` on, it has `timeout_s`. Fails within seconds, naming the cause,
+    when the server could not start (`failed`), was stopped, or its supervisor is gone."""
     build = path.parent.name
-    seen = False
-    while time.time() - started < timeout_s:
-        record = _read(path)
+    deadline = None
+    while True:
+        record = read_record(path)
         if record is None:
-            if seen and not path.exists():
-                raise EndpointError(f"build {build!r}: {path} disappeared while waiting for the server: its serve "
-                                    f"job has ended (Snakemake ends a build's service group when one of its jobs "
-                                    f"fails; see the logs of the build's other jobs)")
-            if not path.exists() and time.time() - started > appear_s:
-                raise EndpointError(f"build {build!r}: no serve job wrote {path} within {appear_s:.0f} s")
-        else:
-            seen = True
-            if record.get("state") == "failed":
-                raise EndpointError(f"{build}: the server could not start. Likely cause: "
-                                    f"{record['likely_cause']}\n{record['error']}\nlast lines of {record['log']}:\n"
-                                    f"{record['log_tail']}")
-            supervisor_alive = _alive(int(record.get("supervisor_pid", 0)))
-            if record.get("state") == "ready" and supervisor_alive:
-                endpoint = Endpoint(record)
-                if endpoint.ready():
-                    return endpoint
-                if not endpoint.alive():
-                    raise EndpointError(f"build {build!r}: {path}: the server (pid {record['server_pid']}) is gone; "
-                                        f"last lines of {endpoint.log}:\n{log_tail(endpoint.log, 50)}")
-            elif not supervisor_alive and time.time() - started > grace_s:
-                log = Path(record.get("log", path.parent / "server.log"))
-                raise EndpointError(f"build {build!r}: {path}: the serve job (pid {record.get('supervisor_pid')}) "
-                                    f"ended without a server; last lines of {log}:\n{log_tail(log, 50)}")
+            raise EndpointError(f"build {build!r}: {path} is missing: no supervisor serves this build")
+        if not alive(int(record.get("supervisor_pid", 0))):
+            record = read_record(path) or record  # it may have said why just before it exited
+        state = record.get("state")
+        if state == "failed":
+            raise EndpointError(f"{build}: the server could not start. Likely cause: "
+                                f"{record['likely_cause']}\n{record['error']}\nlast lines of {record['log']}:\n"
+                                f"{record['log_tail']}")
+        if state == "stopped":
+            raise EndpointError(f"build {build!r}: its server was stopped ({record.get('stop_reason')}); last lines "
+                                f"of {record['log']}:\n{log_tail(Path(record['log']), 50)}")
+        if not alive(int(record.get("supervisor_pid", 0))):
+            supervisor_log = Path(record.get("supervisor_log", path.parent / SUPERVISOR_LOG))
+            raise EndpointError(f"build {build!r}: {path}: its supervisor (pid {record.get('supervisor_pid')}) ended "
+                                f"without a server; last lines of {supervisor_log}:\n{log_tail(supervisor_log, 50)}")
+        if state != "queued":
+            deadline = deadline or time.time() + timeout_s
+        if state == "ready":
+            endpoint = Endpoint(record)
+            if endpoint.ready():
+                return endpoint
+            if not endpoint.alive():
+                raise EndpointError(f"build {build!r}: {path}: the server (pid {record['server_pid']}) is gone; "
+                                    f"last lines of {endpoint.log}:\n{log_tail(endpoint.log, 50)}")
+        if deadline is not None and time.time() > deadline:
+            raise EndpointError(f"build {build!r}: {path}: no server answered within {timeout_s:.0f} s "
+                                f"(serve.startup_timeout_s)")
         time.sleep(poll_s)
-    raise EndpointError(f"build {build!r}: {path}: no server answered within {timeout_s:.0f} s "
-                        f"(serve.startup_timeout_s)")

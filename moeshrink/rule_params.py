@@ -5,7 +5,7 @@ change affects. Display keys (a build's label, the title) reach only the report;
 the config through `operational`. Reordering config.yaml changes no params."""
 from typing import Any
 
-OPERATIONAL_SERVE_KEYS = ("startup_timeout_s", "stop_timeout_s")
+OPERATIONAL_SERVE_KEYS = ("startup_timeout_s", "stop_timeout_s", "idle_grace_s", "servers_per_machine")
 THREADS = "threads"  # of the organism's training and card: jobs take it from their rule's `threads:`
 DISPLAY_BUILD_KEYS = ("label",)
 # which builds an eval runs on decides which jobs exist, not what one job writes

@@ -1,12 +1,11 @@
-"""One vLLM server per build per run, as a Snakemake service job.
+"""A build's vLLM server for the jobs that lease it (moeshrink.server_lease): the supervisor.
 
-`run_service` starts the server with the flags config gives, waits for /health and /v1/models,
-then writes the endpoint file its consumers wait for (URL, per-run API key, served name, log) and
-serves until Snakemake terminates the job (SIGTERM once every consumer has finished; SIGINT on
-Ctrl-C). It then stops the server's whole process group: SIGTERM, SIGKILL after a timeout. If the
-server cannot start, the endpoint file says so, with the likely cause and the log's last 50
-lines, and the job fails. A server left by a killed run is found through its pid file and
-stopped before a new one starts.
+`run_service` takes a machine slot (waiting its turn), starts the server with the flags config gives,
+waits for /health and /v1/models, then records the endpoint its lessees wait for (URL, per-run API
+key, served name, log) and serves until no live lease has been held for `serve.idle_grace_s`, or
+until SIGTERM/SIGINT/SIGHUP. It then stops the server's whole process group: SIGTERM, SIGKILL after
+a timeout. If the server cannot start, the record says so, with the likely cause and the log's last
+50 lines, and every lessee fails with it.
 
 On the CPU the card is emulated: the KV-cache room the prediction gives (utilisation x card -
 weights - reserve) is handed to vLLM in bytes, so that its token count can be checked against ours.
@@ -21,11 +20,12 @@ from pathlib import Path
 
 from moeshrink.ioutil import atomic_write_json, read_json
 from moeshrink.provenance import now_iso
+from moeshrink.server_lease import (LOCK_FILE, PID_FILE, LeaseError, MachineSlot, live_leases, locked, merge_record,
+                                    update_record)
 from moeshrink.serverlog import likely_cause
 from moeshrink.vllm_server import ServerError, VLLMServer, log_tail
 
 log = logging.getLogger("moeshrink.serve")
-PID_FILE = "server.pid.json"
 CPU_MIN_BATCHED_TOKENS = 2048  # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
@@ -74,33 +74,9 @@ def server_args(serve: dict, kv_cache_bytes: int | None) -> list[str]:
     return args + [str(a) for a in serve["extra_args"]]
 
 
-def stop_leftover(serve_dir: Path) -> None:
-    """Stop a server an earlier, killed run left behind (its pid file names the process group)."""
-    record_path = serve_dir / PID_FILE
-    if not record_path.exists():
-        return
-    record = read_json(record_path)
-    group = int(record["pgid"])
-    try:
-        cmdline = Path(f"/proc/{record['pid']}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        cmdline = ""
-    if record["model_dir"] in cmdline and "vllm.entrypoints" in cmdline:
-        log.warning("stopping a server left by an earlier run: pid %s, group %s", record["pid"], group)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(5)
-    record_path.unlink(missing_ok=True)
-
-
 class _Stop:
-    """Set by SIGTERM/SIGINT/SIGHUP, or when the workflow that started this job has gone (its
-    process is no longer our parent): a killed Snakemake must not leave a server behind."""
+    """Set by SIGTERM/SIGINT/SIGHUP: stop serving now, whoever holds a lease."""
     requested = False
-    parent = os.getppid()
 
     @classmethod
     def handler(cls, signum, frame) -> None:
@@ -108,21 +84,63 @@ class _Stop:
 
     @classmethod
     def now(cls) -> bool:
-        if os.getppid() != cls.parent:
-            log.warning("the workflow that started this serve job is gone; stopping")
-            cls.requested = True
         return cls.requested
 
 
+# When another build's supervisor waits for this machine's slot, an unheld server hands it over after
+# this long instead of serve.idle_grace_s (Snakemake starts a build's next ready job within a second).
+HANDOVER_GRACE_S = 5.0
+
+
+class _Idle:
+    """How long the build's server has gone without a live lease."""
+
+    def __init__(self, serve_dir: Path, grace_s: float, slot: MachineSlot):
+        self.serve_dir = serve_dir
+        self.grace_s = grace_s
+        self.slot = slot
+        self.since: float | None = None
+
+    def expired(self) -> bool:
+        """Call under the lock."""
+        if live_leases(self.serve_dir):
+            self.since = None
+            return False
+        now = time.time()
+        self.since = self.since or now
+        grace = min(self.grace_s, HANDOVER_GRACE_S) if self.slot.others_waiting() else self.grace_s
+        return now - self.since >= grace
+
+    def expired_now(self) -> bool:
+        with locked(self.serve_dir / LOCK_FILE):
+            return self.expired()
+
+
 def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path, endpoint_path: Path,
-                log_path: Path) -> int:
+                log_path: Path, queue_order: int = 0) -> int:
     serve_dir = endpoint_path.parent
     serve_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(endpoint_path, {"state": "starting", "build": build, "supervisor_pid": os.getpid(),
-                                      "log": str(log_path)})
-    stop_leftover(serve_dir)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _Stop.handler)
+    update_record(serve_dir, state="queued", build=build, supervisor_pid=os.getpid(), log=str(log_path))
+    slot = MachineSlot(int(serve["servers_per_machine"]), queue_order)
+    idle = _Idle(serve_dir, float(serve["idle_grace_s"]), slot)
+    try:
+        slot_number = slot.acquire(abort=lambda: _Stop.now() or idle.expired_now())
+    except LeaseError as error:
+        update_record(serve_dir, state="stopped", stopped_at=now_iso(),
+                      stop_reason="terminated while queued" if _Stop.now() else "no job held it while it queued")
+        log.info("%s: %s", build, error)
+        return 0
+    try:
+        return _serve(build, model_dir, serve, prediction_path, serve_dir, log_path, slot_number, idle)
+    finally:
+        slot.release()
+
+
+def _serve(build: str, model_dir: Path, serve: dict, prediction_path: Path, serve_dir: Path, log_path: Path,
+           slot_number: int, idle: _Idle) -> int:
+    update_record(serve_dir, state="starting", machine_slot=slot_number, starting_at=now_iso())
     prediction = read_json(prediction_path)
     cpu = on_cpu()
     kind = None
@@ -135,43 +153,58 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
         prediction = for_cpu_kind(prediction, kind)
     kv_cache_bytes = prediction["kv_cache_bytes"] if cpu else None
     if cpu and kv_cache_bytes <= 0:
-        return _failed(endpoint_path, log_path, f"the emulated card has no room for a KV cache: "
+        return _failed(serve_dir, log_path, f"the emulated card has no room for a KV cache: "
                        f"{prediction['kv_cache_gib']:.3f} GiB (serve.memory: card_gib, reserve_gib)")
     server = VLLMServer(model_dir, log_path, args=server_args(serve, kv_cache_bytes), env=server_env(cpu),
                         served_name=build, startup_timeout_s=float(serve["startup_timeout_s"]))
     started = time.time()
     try:
-        server.start(abort=_Stop.now)
+        server.start(abort=lambda: _Stop.now() or idle.expired_now())
     except ServerError as error:
-        return _failed(endpoint_path, log_path, str(error).splitlines()[0])
+        if _Stop.now() or idle.since is not None:
+            _stopped(serve_dir, server, float(serve["stop_timeout_s"]), "no job held it while it started")
+            return 0
+        return _failed(serve_dir, log_path, str(error).splitlines()[0])
     atomic_write_json(serve_dir / PID_FILE, {"pid": server.process.pid, "pgid": os.getpgid(server.process.pid),
                                              "model_dir": str(model_dir), "started": now_iso()})
-    atomic_write_json(endpoint_path, {
-        "state": "ready", "build": build, "base_url": server.base_url, "api_key": server.api_key,
-        "served_model_name": build, "model_dir": str(model_dir), "log": str(log_path),
-        "server_pid": server.process.pid, "supervisor_pid": os.getpid(), "command": [a if a != server.api_key else "<per-run key>" for a in server.command()],
-        "args": server.args, "startup_seconds": round(time.time() - started, 1), "ready_at": now_iso(),
-        "platform": "cpu" if cpu else "gpu", "kv_cache_bytes_requested": kv_cache_bytes, "cpu_kind": kind,
-    })
-    os.chmod(endpoint_path, 0o600)
+    update_record(
+        serve_dir, state="ready", base_url=server.base_url, api_key=server.api_key, served_model_name=build,
+        model_dir=str(model_dir), server_pid=server.process.pid,
+        command=[a if a != server.api_key else "<per-run key>" for a in server.command()], args=server.args,
+        startup_seconds=round(time.time() - started, 1), ready_at=now_iso(), platform="cpu" if cpu else "gpu",
+        kv_cache_bytes_requested=kv_cache_bytes, cpu_kind=kind)
     log.info("%s served at %s after %.0f s", build, server.base_url, time.time() - started)
-    code = 0
-    while not _Stop.now():
+    return _serve_while_leased(build, server, serve_dir, idle, float(serve["stop_timeout_s"]))
+
+
+def _serve_while_leased(build: str, server: VLLMServer, serve_dir: Path, idle: _Idle, stop_timeout_s: float) -> int:
+    """Serve until no live lease has been held for the idle grace. The stop happens under the lock, so
+    that a job leasing meanwhile waits for it and then starts a fresh server."""
+    while True:
         if server.process.poll() is not None:
             log.error("the server of %s exited with code %s while serving", build, server.process.returncode)
-            code = 1
-            break
+            _stopped(serve_dir, server, stop_timeout_s, f"the server exited with code {server.process.returncode}")
+            return 1
+        with locked(serve_dir / LOCK_FILE):
+            if _Stop.now() or idle.expired():
+                reason = "terminated" if _Stop.now() else "no job held it for the idle grace"
+                _stopped(serve_dir, server, stop_timeout_s, reason, locked_already=True)
+                log.info("%s stopped (%s)", build, reason)
+                return 0
         time.sleep(1)
-    server.stop(timeout_s=float(serve["stop_timeout_s"]))
+
+
+def _stopped(serve_dir: Path, server: VLLMServer, stop_timeout_s: float, reason: str,
+             locked_already: bool = False) -> None:
+    server.stop(timeout_s=stop_timeout_s)
     (serve_dir / PID_FILE).unlink(missing_ok=True)
-    log.info("%s stopped", build)
-    return code
+    fields = {"state": "stopped", "stopped_at": now_iso(), "stop_reason": reason, "api_key": None}
+    (merge_record if locked_already else update_record)(serve_dir, **fields)
 
 
-def _failed(endpoint_path: Path, log_path: Path, message: str) -> int:
+def _failed(serve_dir: Path, log_path: Path, message: str) -> int:
     tail = log_tail(log_path, 50)
     cause = likely_cause(tail)
-    atomic_write_json(endpoint_path, {"state": "failed", "likely_cause": cause, "error": message, "log": str(log_path),
-                                      "log_tail": tail})
+    update_record(serve_dir, state="failed", likely_cause=cause, error=message, log=str(log_path), log_tail=tail)
     log.error("likely cause: %s\n%s\nlast 50 lines of %s:\n%s", cause, message, log_path, tail)
     return 1

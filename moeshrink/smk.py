@@ -16,6 +16,18 @@ def serve_config(snakemake) -> dict:
     return {**snakemake.params.serve, **operational(snakemake.config)["serve"]}
 
 
+def server_lease(snakemake):
+    """The job's lease on its build's server (started by the first job that needs it)."""
+    from moeshrink.server_lease import ServerLease, ServerSpec, queue_order
+
+    build = snakemake.wildcards.build
+    spec = ServerSpec(build=build, model_dir=Path(snakemake.input.manifest).parent, serve=dict(snakemake.params.serve),
+                      operational=operational(snakemake.config)["serve"], prediction=Path(snakemake.input.prediction),
+                      queue_order=queue_order(snakemake.config, build))
+    wildcards = ", ".join(f"{name}={value}" for name, value in snakemake.wildcards.items())
+    return ServerLease(spec, holder=f"{snakemake.rule} ({wildcards})")
+
+
 def client_config(snakemake) -> dict:
     return operational(snakemake.config)["client"]
 

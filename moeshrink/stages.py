@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moeshrink.checkpoint import build_manifest, write_manifest
 from moeshrink.ioutil import atomic_write_json, read_json, sha256_file
 from moeshrink.provenance import Provenance
+
+if TYPE_CHECKING:
+    from moeshrink.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +210,12 @@ def serve_prediction(build_id: str, build_dir: Path, serve_cfg: dict, out_file: 
     return prediction
 
 
-def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_file: Path, endpoint_file: Path,
+def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_file: Path, endpoint: Endpoint,
                  out_file: Path) -> dict:
-    from moeshrink.endpoint import wait_for_endpoint
+    """`endpoint`: the build's server, leased by the job."""
     from moeshrink.served_memory import measure
 
     prov = Provenance("serve_memory", {"serve": serve_cfg}, inputs=[str(build_dir), str(prediction_file)])
-    endpoint = wait_for_endpoint(endpoint_file, float(serve_cfg["startup_timeout_s"]) + 120)
     figures = measure(endpoint.log.read_text(errors="replace"), endpoint.get_text("/metrics"),
                       read_json(build_dir / "config.json"), serve_cfg, read_json(prediction_file),
                       endpoint.record["platform"], endpoint.record.get("cpu_kind"))

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+from pathlib import Path
 
 from moeshrink.compare import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
@@ -54,19 +55,34 @@ def scheduler_resources(partition_key):
     return {**({"slurm_partition": partition} if partition else {}), **({"slurm_account": account} if account else {})}
 
 
-# every CPU-only job, and the jobs of a build's service group (its server and what reads it: one
-# cluster job on one node, so they all ask for the same partition)
+# every CPU-only job; and the jobs of a build's server group (its prediction, memory and evals: on a
+# cluster one job on one node, so they ask for the same partition, and each names the server's GPUs
+# as a string resource, which a group takes once instead of summing)
 CPU_JOB = scheduler_resources("partition")
-SERVICE_JOB = scheduler_resources("gpu_partition")
+SERVER_NODE = {**scheduler_resources("gpu_partition"),
+               **({"gres": f"gpu:{CLUSTER['server_gpus']}"} if CLUSTER["server_gpus"] else {})}
 
 
-def machine_cores():
-    """Cores of the machine a local run schedules on; a cluster run has no such total (its profile
-    sets the server job's threads: set-threads)."""
-    try:
-        return workflow.cores
-    except WorkflowError:
-        return 1
+def stop_idle_servers():
+    from moeshrink.server_lease import stop_idle_servers as stop
+
+    stop(Path("results/serve"), BUILD_IDS)
+
+
+def lessee_threads():
+    """A job that leases its build's server takes one core locally, so that Snakemake runs as many at
+    once as the machine has cores, the highest priority first (one build's jobs, then the next's).
+    In a cluster group it takes none: a group sums its members' threads, and the group's CPUs are the
+    server's (carried by the prediction job)."""
+    return 1 if workflow.local_exec else 0
+
+
+def server_queue_priority(wildcards):
+    """A build's serve jobs run before the next build's (the reference first, then config order), so that
+    each build's server starts once and serves all its jobs back to back."""
+    from moeshrink.server_lease import queue_order
+
+    return len(BUILD_IDS) - queue_order(config, wildcards.build)
 
 
 def upstream_params():
@@ -135,7 +151,7 @@ def eval_set_inputs(eval_id):
 
 def eval_inputs(wildcards):
     return {"manifest": f"results/builds/{wildcards.build}/manifest.json",
-            "endpoint": f"results/serve/{wildcards.build}/endpoint.json",
+            "prediction": f"results/serve/{wildcards.build}/prediction.json",
             **eval_set_inputs(wildcards.eval)}
 
 

@@ -1,7 +1,8 @@
-# Stage 4: the five evals. Each job consumes its build's endpoint (a service output), so Snakemake
-# runs it in that build's service group, beside the build's one server; evals take no core of their
-# own (they wait on HTTP), so a group needs only the server's. The reference reads the agreement
-# passages first; its stored top-K is the input of every other build's agreement.
+# Stage 4: the five evals. Each job leases its build's server (rules/serve.smk) and takes one core
+# (its client's work; the server runs beside it outside Snakemake's count), so Snakemake runs as many
+# at once as the machine has cores, the highest priority first: one build's jobs, then the next's. The
+# reference reads the agreement passages first; its stored top-K is the input of every other build's
+# agreement.
 
 GENERIC_EVALS = [e for e in EVAL_IDS if e != "agreement"]
 OTHER_BUILDS = [b for b in BUILD_IDS if b != REFERENCE_BUILD]
@@ -27,9 +28,12 @@ rule eval:
         "logs/evals/{build}/{eval}.log",
     benchmark:
         "benchmarks/evals/{build}/{eval}.tsv"
-    threads: 0
+    group:
+        "serve_{build}"
+    priority: server_queue_priority
+    threads: lessee_threads()
     resources:
-        **SERVICE_JOB,
+        **SERVER_NODE,
         mem_mb=4000,
         runtime=lambda wildcards: 120 + int(config["serve"]["startup_timeout_s"]) // 60,
     script:

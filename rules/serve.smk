@@ -1,7 +1,10 @@
-# Stage 3: one vLLM server per build per run. `serve` is a Snakemake service job: Snakemake runs
-# it together with the jobs that consume its endpoint (one group per build) and terminates it
-# (SIGTERM) once they have all finished; it stops its server's whole process group. Evals of one
-# build share its server; builds never share one.
+# Stage 3: a build's vLLM server is shared by reference (moeshrink/server_lease.py). The memory job
+# and every eval lease it: the first starts it, later ones attach, and it stops once none has held it
+# for serve.idle_grace_s; so a rerun of one eval starts the server only if none is up. No job owns the
+# server, so none reruns because another did. Locally the machine's server slots
+# (serve.servers_per_machine) decide how many servers run at once, the builds queue for them in config
+# order (the reference first), and `priority:` makes Snakemake run one build's jobs before the next's.
+# On a cluster a build's jobs form one group: one node, the server's GPUs.
 
 
 rule serve_prediction:
@@ -13,60 +16,37 @@ rule serve_prediction:
         serve=serve_params(config),
     log:
         "logs/serve/{build}/prediction.log",
+    group:
+        "serve_{build}"
+    # on a cluster this job opens the build's group on its node: it carries the server's CPUs
+    # (profiles/slurm sets them) and GPUs
     resources:
-        **CPU_JOB,
+        **SERVER_NODE,
         mem_mb=2000,
         runtime=10,
     script:
         "../scripts/serve_prediction.py"
 
 
-rule serve:
-    input:
-        manifest="results/builds/{build}/manifest.json",
-        prediction="results/serve/{build}/prediction.json",
-    output:
-        endpoint=service("results/serve/{build}/endpoint.json"),
-    params:
-        serve=lambda wildcards: json.dumps(serve_params(config)),
-    log:
-        "results/serve/{build}/server.log",
-    # one server at a time on a machine: vLLM's CPU build pins its engine to the same cores in every
-    # server it starts (a GPU server takes the node's cards); its evals ride along with 0 threads.
-    # On a cluster each server job has a node of its own; profiles/slurm sets its CPUs.
-    threads: machine_cores()
-    resources:
-        **SERVICE_JOB,
-        mem_mb=lambda wildcards, input: 4000 + 2 * input.size_mb,
-        runtime=lambda wildcards: 60 + int(config["serve"]["startup_timeout_s"]) // 60,
-        gpu=CLUSTER["server_gpus"],
-    shell:
-        # The endpoint must exist within Snakemake's latency wait: say `starting` before Python loads.
-        # exec: the supervisor itself (same pid) receives Snakemake's SIGTERM.
-        "printf '{{\"state\": \"starting\", \"supervisor_pid\": %d}}' $$ > {output.endpoint} && "
-        # (the interpreter and the timeouts are no params: they change nothing the server computes)
-        "exec {PYTHON} -m moeshrink serve --build {wildcards.build} --model-dir results/builds/{wildcards.build} "
-        "--serve-json {params.serve:q} --operational-json {SERVE_OPERATIONAL_JSON:q} "
-        "--prediction {input.prediction} --endpoint {output.endpoint} --log {log}"
-
-
 rule serve_memory:
     input:
         manifest="results/builds/{build}/manifest.json",
         prediction="results/serve/{build}/prediction.json",
-        endpoint="results/serve/{build}/endpoint.json",
     output:
         memory="results/serve/{build}/memory.json",
     params:
         serve=serve_params(config),
     log:
         "logs/serve/{build}/memory.log",
-    # runs beside its server (same service group) and only waits on HTTP: it takes no core of its own,
-    # so a group fits in one core's worth of scheduling (--cores 1, dry runs)
-    threads: 0
+    group:
+        "serve_{build}"
+    priority: server_queue_priority
+    threads: lessee_threads()
+    # it carries the server's memory on a cluster node (it runs beside the evals there; the server
+    # lives while they do)
     resources:
-        **SERVICE_JOB,
-        mem_mb=1000,
+        **SERVER_NODE,
+        mem_mb=lambda wildcards, input: 4000 + 2 * input.size_mb,
         runtime=lambda wildcards: 10 + int(config["serve"]["startup_timeout_s"]) // 60,
     script:
         "../scripts/serve_memory.py"

@@ -3,14 +3,15 @@ from pathlib import Path
 from moeshrink import smk
 from moeshrink.evals.run import EvalJob, run
 
-SPECIAL_INPUTS = {"manifest", "endpoint", "reference"}
+SPECIAL_INPUTS = {"manifest", "prediction", "reference"}
 
 job = EvalJob(
     build=snakemake.wildcards.build, eval_id=snakemake.wildcards.eval, cfg=snakemake.params.spec,
     client=smk.client_config(snakemake), serve=smk.serve_config(snakemake),
-    build_dir=Path(snakemake.input.manifest).parent, endpoint_file=Path(snakemake.input.endpoint),
+    build_dir=Path(snakemake.input.manifest).parent, server=smk.server_lease(snakemake),
     out_json=Path(snakemake.output.result), records=Path(snakemake.output.records),
     inputs={name: Path(path) for name, path in snakemake.input.items() if name not in SPECIAL_INPUTS})
 reference = snakemake.output.get("reference") or snakemake.input.get("reference")
-smk.run(snakemake, lambda: run(job, Path(reference) if reference else None,
-                               snakemake.params.get("reference_build")))
+with job.server:  # released at the end, or by this job's death
+    smk.run(snakemake, lambda: run(job, Path(reference) if reference else None,
+                                   snakemake.params.get("reference_build")))

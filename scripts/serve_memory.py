@@ -2,6 +2,7 @@ from pathlib import Path
 
 from moeshrink import smk, stages
 
-smk.run(snakemake, lambda: stages.serve_memory(
-    snakemake.wildcards.build, Path(snakemake.input.manifest).parent, smk.serve_config(snakemake),
-    Path(snakemake.input.prediction), Path(snakemake.input.endpoint), Path(snakemake.output.memory)))
+with smk.server_lease(snakemake) as endpoint:
+    smk.run(snakemake, lambda: stages.serve_memory(
+        snakemake.wildcards.build, Path(snakemake.input.manifest).parent, smk.serve_config(snakemake),
+        Path(snakemake.input.prediction), endpoint, Path(snakemake.output.memory)))

@@ -129,11 +129,10 @@ def test_killed_during_an_eval_stops_the_orphan_server_and_reruns_to_the_same_fi
 
 
 def test_a_server_killed_mid_eval_fails_the_workflow_within_a_minute_naming_the_build(copy):
-    """The build's vLLM server dies while its evals run: every job of the group fails at once with a
-    message naming the build (never waiting out serve.startup_timeout_s), the workflow ends within a
-    minute, and nothing is left half-written or running. (Snakemake treats a service group as one job:
-    when it fails, it removes the outputs of all its members, finished ones included, so the group's
-    memory.json is measured again by the next run.)"""
+    """The build's vLLM server dies while its evals run: the jobs using it fail at once with a message
+    naming the build (never waiting out serve.startup_timeout_s), the workflow ends within a minute,
+    nothing is left half-written or running, and the build's finished memory.json stays (no job owns
+    the server, so none is removed with a failed one)."""
     memory = copy / f"results/serve/{BUILD}/memory.json"
     evals = [copy / f"results/evals/{BUILD}/{name}.json" for name in ("mmlu", "gsm8k", "toolcalls")]
     for path in [memory, *evals]:
@@ -168,4 +167,5 @@ def test_a_server_killed_mid_eval_fails_the_workflow_within_a_minute_naming_the_
     for path in [*(copy / f"results/evals/{BUILD}").glob("*.json"), *(copy / f"results/serve/{BUILD}").glob("*.json")]:
         json.loads(path.read_text())  # whatever carries a final name is whole
     assert not list((copy / f"results/evals/{BUILD}").glob(".*.tmp-*")), "temporary files left behind"
-    assert not servers_in(copy), "the build's server outlived its failed group"
+    assert not servers_in(copy), "the build's server outlived its failed jobs"
+    assert json.loads(memory.read_text())["build"] == BUILD

@@ -1,7 +1,9 @@
 """Changing one config key reruns exactly its dependants: dry runs against the finished workflow of
-the end-to-end test (the same session fixture), one key at a time."""
+the end-to-end test (the same session fixture), one key at a time; and one real rerun."""
 import copy
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +73,7 @@ class Study:
 
     def served(self, build: str, evals: list[str] | None = None) -> list[str]:
         """A build's prediction, server, memory and evals (all of them unless named)."""
-        return [f"serve_prediction:build={build}", f"serve:build={build}", f"serve_memory:build={build}",
+        return [f"serve_prediction:build={build}", f"serve_memory:build={build}",
                 *[key for e in (evals if evals is not None else self.evals) for key in self.eval(build, e)]]
 
     def made(self, build: str) -> list[str]:
@@ -106,12 +108,7 @@ def _reorder(config: dict, builds_too: bool = False) -> None:
     config.update(reordered)
 
 
-# (what changes, how, the jobs it should schedule); rows Snakemake's service groups cannot meet yet
-# are marked: a server that runs for one eval reruns every consumer of that server.
-SERVICE_GROUP_RERUNS_ALL = pytest.mark.xfail(strict=True, reason=(
-    "issue 17 part 2 (a server shared by reference) not built: Snakemake reruns every consumer of a service "
-    "job that runs (dag.py spares a consumer only when its input is ancient and exists; service outputs are "
-    "deleted when their group ends), so the build's other evals and memory job come along"))
+# (what changes, how, the jobs it should schedule)
 ROWS = [
     ("builds.twx3.label", lambda c: _set(c, "builds.twx3.label", "TWX3 relabelled"), lambda s: ["report"]),
     ("title", lambda c: _set(c, "title", "R-013, re-titled"), lambda s: ["report"]),
@@ -138,12 +135,14 @@ ROWS = [
      lambda s: [*[key for b in s.builds for key in s.served(b)], *s.compares(), "report"]),
     ("serve.kv_cache_dtype", lambda c: _set(c, "serve.kv_cache_dtype", "bfloat16"),
      lambda s: [*[key for b in s.builds for key in s.served(b)], *s.compares(), "report"]),
-    pytest.param("evals.gsm8k.items", lambda c: _set(c, "evals.gsm8k.items", c["evals"]["gsm8k"]["items"] // 2),
-                 lambda s: [*[key for b in s.builds for key in s.eval(b, "gsm8k")], *s.compares(), "report"],
-                 marks=SERVICE_GROUP_RERUNS_ALL, id="evals.gsm8k.items"),
-    pytest.param("evals.mmlu.shots", lambda c: _set(c, "evals.mmlu.shots", 3),
-                 lambda s: [*[key for b in s.builds for key in s.eval(b, "mmlu")], *s.compares(), "report"],
-                 marks=SERVICE_GROUP_RERUNS_ALL, id="evals.mmlu.shots"),
+    ("evals.gsm8k.items", lambda c: _set(c, "evals.gsm8k.items", c["evals"]["gsm8k"]["items"] // 2),
+     lambda s: [*[key for b in s.builds for key in s.eval(b, "gsm8k")], *s.compares(), "report"]),
+    ("evals.mmlu.shots", lambda c: _set(c, "evals.mmlu.shots", 3),
+     lambda s: [*[key for b in s.builds for key in s.eval(b, "mmlu")], *s.compares(), "report"]),
+    ("evals.facts.max_tokens", lambda c: _set(c, "evals.facts.max_tokens", 120),
+     lambda s: [*[key for b in s.builds for key in s.eval(b, "facts")], *s.compares(), "report"]),
+    ("serve.idle_grace_s", lambda c: _set(c, "serve.idle_grace_s", 60), lambda s: []),
+    ("serve.servers_per_machine", lambda c: _set(c, "serve.servers_per_machine", 2), lambda s: []),
 ]
 
 
@@ -151,8 +150,7 @@ def test_a_noop_rerun_schedules_nothing(workdir):
     assert dry_run_jobs(workdir) == []
 
 
-@pytest.mark.parametrize("what, change, expected",
-                         [row if hasattr(row, "marks") else pytest.param(*row, id=row[0]) for row in ROWS])
+@pytest.mark.parametrize("what, change, expected", [pytest.param(*row, id=row[0]) for row in ROWS])
 def test_one_changed_key_reruns_exactly_what_reads_it(workdir, what, change, expected):
     config = copy.deepcopy(_config(workdir))
     change(config)
@@ -161,16 +159,35 @@ def test_one_changed_key_reruns_exactly_what_reads_it(workdir, what, change, exp
     assert job_keys(dry_run_jobs(workdir, config)) == sorted(expected(study))
 
 
-def test_an_eval_item_count_reruns_that_eval_and_at_most_its_servers_consumers(workdir):
-    """What the service groups do today (see SERVICE_GROUP_RERUNS_ALL): the changed eval reruns for every
-    build and its server with it; nothing upstream of the servers does."""
-    config = copy.deepcopy(_config(workdir))
+def test_a_changed_eval_item_count_reruns_only_that_eval_and_starts_each_server_once(workdir, tmp_path):
+    """The real rerun behind the table's evals.gsm8k.items row, on a copy of the finished workflow: only
+    the gsm8k jobs (and the compares and report that read them) run, each build's server starts once
+    for them, and every other eval's files keep their bytes and mtimes."""
+    work = tmp_path / "workflow"
+    shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml"))
+    config = copy.deepcopy(_config(work))
     config["evals"]["gsm8k"]["items"] = config["evals"]["gsm8k"]["items"] // 2
-    jobs = dry_run_jobs(workdir, config)
-    builds = config["evals"]["gsm8k"]["builds"] or list(config["builds"])
-    gsm8k = sorted(w["build"] for rule, w in jobs if rule == "eval" and w["eval"] == "gsm8k")
-    assert gsm8k == sorted(builds)
-    assert sorted(w["build"] for rule, w in jobs if rule == "serve") == sorted(builds)
-    allowed = {"eval", "eval_agreement", "eval_agreement_reference", "serve", "serve_memory", "compare",
-               "compare_pair", "report"}
-    assert {rule for rule, _ in jobs} <= allowed, jobs
+    study = Study(work, _config(work))
+    gsm8k_builds = study.eval_builds("gsm8k")
+    untouched = [p for p in (work / "results/evals").glob("*/*") if not p.name.startswith("gsm8k")]
+    untouched += list((work / "results/serve").glob("*/memory.json"))
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in untouched}
+    starts_before = {b: _lines(work / f"results/serve/{b}/starts.jsonl") for b in study.builds}
+    (work / "changed.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/r013.html", "--configfile",
+                             "changed.yaml"], cwd=work, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ran = sorted(re.findall(r"^\s*(?:local)?rule (\w+):", result.stderr + result.stdout, flags=re.M))
+    assert ran == sorted(["eval"] * len(gsm8k_builds) + ["compare"] * len(study.others)
+                         + ["compare_pair"] * len(config["compare"]["pairs"]) + ["report"]), ran
+    for build in study.builds:
+        started = _lines(work / f"results/serve/{build}/starts.jsonl")[len(starts_before[build]):]
+        assert len(started) == (1 if build in gsm8k_builds else 0), (build, started)
+        record = json.loads((work / f"results/evals/{build}/gsm8k.json").read_text())
+        assert record["items"] == config["evals"]["gsm8k"]["items"]
+    for path, (mtime, data) in before.items():
+        assert (path.stat().st_mtime_ns, path.read_bytes()) == (mtime, data), f"{path} was rewritten"
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []

@@ -37,8 +37,9 @@ def test_operational_and_display_keys_stay_out():
     assert "cluster" not in report and "client" not in report["evals"]
     assert "startup_timeout_s" not in report["serve"]
     assert report["builds"]["twx3"]["label"] == config["builds"]["twx3"]["label"]  # the page shows labels
-    assert operational(config) == {"serve": {"startup_timeout_s": config["serve"]["startup_timeout_s"],
-                                             "stop_timeout_s": config["serve"]["stop_timeout_s"]},
+    lease_keys = ("startup_timeout_s", "stop_timeout_s", "idle_grace_s", "servers_per_machine")
+    assert not set(lease_keys) & set(serve_params(config))
+    assert operational(config) == {"serve": {key: config["serve"][key] for key in lease_keys},
                                    "client": config["evals"]["client"]}
 
 

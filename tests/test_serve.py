@@ -1,4 +1,4 @@
-"""The serve stage's mechanics that need no model: flags from config, the endpoint handshake, and
+"""The serve stage's mechanics that need no model: flags from config, and
 stopping a server an earlier killed run left behind."""
 import json
 import os
@@ -7,11 +7,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from moeshrink.endpoint import EndpointError, wait_for_endpoint
-from moeshrink.ioutil import atomic_write_json
-from moeshrink.serve import PID_FILE, server_args, server_env, stop_leftover
+from moeshrink.serve import server_args, server_env
+from moeshrink.server_lease import PID_FILE, stop_leftover
 
 SERVE = {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.85, "max_model_len": 4096,
          "max_logprobs": 20, "block_size": None, "tool_call_parser": "hermes", "chat_template": "templates/chat.jinja", "extra_args": ["--trust-remote-code"],
@@ -49,27 +46,6 @@ def test_cpu_servers_turn_off_the_aot_compile_vllm_cannot_reload(monkeypatch):
     assert not envs.use_aot_compile()
 
 
-def test_a_failed_start_reaches_the_consumer_with_its_cause(tmp_path):
-    endpoint = tmp_path / "endpoint.json"
-    atomic_write_json(endpoint, {"state": "failed", "likely_cause": "out of memory: the build does not fit",
-                                 "error": "vLLM exited with code 1", "log": "server.log", "log_tail": "line 1\nline 2"})
-    with pytest.raises(EndpointError, match=r"could not start. Likely cause: out of memory(.|\n)*line 2"):
-        wait_for_endpoint(endpoint, timeout_s=5, poll_s=0.1)
-
-
-def test_an_endpoint_left_by_a_dead_supervisor_is_not_taken(tmp_path):
-    endpoint = tmp_path / "endpoint.json"
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    atomic_write_json(endpoint, {"state": "ready", "build": "b", "base_url": "http://127.0.0.1:9", "api_key": "k",
-                                 "served_model_name": "b", "log": "server.log", "server_pid": dead.pid,
-                                 "supervisor_pid": dead.pid})
-    with pytest.raises(EndpointError, match="no server answered within 1 s"):
-        wait_for_endpoint(endpoint, timeout_s=1, poll_s=0.1)  # within the grace: a new serve job may replace it
-    with pytest.raises(EndpointError, match=r"the serve job \(pid \d+\) ended without a server"):
-        wait_for_endpoint(endpoint, timeout_s=5, poll_s=0.1, grace_s=0.5)
-
-
 def test_a_leftover_server_is_found_and_stopped(tmp_path):
     model_dir = str(tmp_path / "results/builds/twx3")
     # stands in for a server whose supervisor was SIGKILLed: its own process group, its model in argv
@@ -91,23 +67,3 @@ def test_a_leftover_server_is_found_and_stopped(tmp_path):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-
-
-def test_an_endpoint_that_disappears_fails_the_consumer_within_seconds(tmp_path):
-    """Snakemake removes a service's output when it ends the build's group (another job of it failed):
-    a consumer still waiting must fail at once, not after serve.startup_timeout_s."""
-    endpoint = tmp_path / "pruned75" / "endpoint.json"
-    endpoint.parent.mkdir()
-    atomic_write_json(endpoint, {"state": "starting", "supervisor_pid": os.getpid(), "log": "server.log"})
-    remover = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(1); os.unlink({str(endpoint)!r})"])
-    started = time.time()
-    with pytest.raises(EndpointError, match=r"build 'pruned75': .* disappeared while waiting for the server"):
-        wait_for_endpoint(endpoint, timeout_s=1800, poll_s=0.1)
-    remover.wait()
-    assert time.time() - started < 10
-
-
-def test_an_endpoint_no_serve_job_writes_fails_the_consumer(tmp_path):
-    endpoint = tmp_path / "twx3" / "endpoint.json"
-    with pytest.raises(EndpointError, match=r"build 'twx3': no serve job wrote .* within 1 s"):
-        wait_for_endpoint(endpoint, timeout_s=1800, poll_s=0.1, appear_s=1)

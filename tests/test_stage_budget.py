@@ -15,7 +15,7 @@ localrule organism_data:
 [Fri Dec  4 10:00:10 2026]
 Finished jobid: 4 (Rule: organism_data)
 [Fri Dec  4 10:01:00 2026]
-localrule serve:
+localrule serve_memory:
     jobid: 12
     wildcards: build=twx3
 [Fri Dec  4 10:01:30 2026]
@@ -25,7 +25,7 @@ localrule eval:
 [Fri Dec  4 10:03:00 2026]
 Finished jobid: 13 (Rule: eval)
 [Fri Dec  4 10:03:05 2026]
-Finished jobid: 12 (Rule: serve)
+Finished jobid: 12 (Rule: serve_memory)
 [Fri Dec  4 10:04:00 2026]
 localrule report:
     jobid: 1
@@ -37,7 +37,7 @@ def test_overlapping_jobs_count_once_and_unfinished_jobs_not_at_all(tmp_path):
     log.write_text(LOG)
     jobs = stage_budget.jobs_of(log)
     assert sorted((j["rule"], j["build"]) for j in jobs) == [("eval", "twx3"), ("organism_data", None),
-                                                             ("serve", "twx3")]
+                                                             ("serve_memory", "twx3")]
     table = stage_budget.budget_table(jobs, install_s=100.0)
     seconds = {row["stage"]: row["seconds"] for row in table["stages"]}
     assert seconds["organism data + tokenizer + training"] == 10

@@ -6,6 +6,7 @@ run instead.
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from moeshrink import compare, mxfp4
 from moeshrink.checkpoint import index_of, read_header
 from moeshrink.ioutil import sha256_file
 from moeshrink.organism import card, datasets
-from moeshrink.rule_params import eval_params
+from moeshrink.rule_params import eval_params, operational, serve_params
 from moeshrink.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,9 +248,9 @@ def test_seeded_requests_beside_long_prompts_never_kill_the_cpu_engine(workdir, 
 
 
 def test_every_build_served_once_with_its_memory_measured(workdir):
-    """The report's run served each build through its service job: memory.json per build, vLLM's own
-    token count equal to ours, weights/room/tokens within 2% of the planner's prediction, the raw
-    log kept, the endpoint file gone and no server left running."""
+    """The report's run started each build's server once, for all its jobs (they lease it): memory.json
+    per build, vLLM's own token count equal to ours, weights/room/tokens within 2% of the planner's
+    prediction, the raw log kept, the record stopped without its key, and no server left running."""
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     for build in config["builds"]:
         serve_dir = workdir / "results/serve" / build
@@ -261,7 +262,11 @@ def test_every_build_served_once_with_its_memory_measured(workdir):
         assert memory["provenance"]["config"]["serve"] == config["serve"]
         log = (serve_dir / "server.log").read_text()
         assert "moeshrink weights:" in log and "KV cache size" in log  # vLLM's raw log
-        assert not (serve_dir / "endpoint.json").exists() and not (serve_dir / "server.pid.json").exists()
+        starts = (serve_dir / "starts.jsonl").read_text().splitlines()
+        assert len(starts) == 1, (build, starts)
+        record = json.loads((serve_dir / "endpoint.json").read_text())
+        assert record["state"] == "stopped" and record["api_key"] is None, record
+        assert not (serve_dir / "server.pid.json").exists() and not list((serve_dir / "leases").iterdir())
     left = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -285,35 +290,46 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_a_killed_workflow_leaves_no_server(workdir, tmp_path):
-    """SIGKILL the process that started a serve job (as Snakemake is when a run is killed): the
-    supervisor sees it gone and stops its server's whole process group."""
-    serve = yaml.safe_load((workdir / "config.yaml").read_text())["serve"]
-    endpoint = tmp_path / "endpoint.json"
-    command = [sys.executable, "-m", "moeshrink", "serve", "--build", "pruned75", "--model-dir",
-               str(workdir / "results/builds/pruned75"), "--serve-json", json.dumps(serve), "--prediction",
-               str(workdir / "results/serve/pruned75/prediction.json"), "--endpoint", str(endpoint),
-               "--log", str(tmp_path / "server.log")]
-    # a stand-in for Snakemake: starts the serve job as its child, then waits forever
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                               f"subprocess.Popen({command!r}); time.sleep(3600)"], start_new_session=True)
+def test_a_killed_job_leaves_no_server(workdir, tmp_path):
+    """SIGKILL the only job holding a build's server (as when a run is killed mid-eval): its lease counts
+    for nothing, and the supervisor stops the server's whole process group after the idle grace."""
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    serve_dir = tmp_path / "serve" / "pruned75"
+    serve_dir.mkdir(parents=True)
+    shutil.copy(workdir / "results/serve/pruned75/prediction.json", serve_dir / "prediction.json")
+    grace = 5
+    spec = {"model_dir": str(workdir / "results/builds/pruned75"), "serve": serve_params(config),
+            "operational": {**operational(config)["serve"], "idle_grace_s": grace},
+            "prediction": str(serve_dir / "prediction.json")}
+    job = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys, time; from pathlib import Path; from moeshrink.server_lease import ServerLease, ServerSpec\n"
+        "spec = json.loads(sys.argv[1])\n"
+        "ServerLease(ServerSpec('pruned75', Path(spec['model_dir']), spec['serve'], spec['operational'], "
+        "Path(spec['prediction']), 0), 'a stand-in job').acquire()\n"
+        "time.sleep(3600)"), json.dumps(spec)],
+        env={**os.environ, "MOESHRINK_SERVER_SLOTS": str(tmp_path / "slots")}, start_new_session=True)
+    endpoint = serve_dir / "endpoint.json"
     try:
         deadline = time.time() + 900
         while time.time() < deadline and not (endpoint.exists() and '"ready"' in endpoint.read_text()):
+            assert job.poll() is None, (serve_dir / "supervisor.log").read_text()[-3000:]
             time.sleep(2)
         record = json.loads(endpoint.read_text())
         assert record["state"] == "ready", record
         server_pid, supervisor_pid = record["server_pid"], record["supervisor_pid"]
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait()
-        deadline = time.time() + 60
-        while time.time() < deadline and (running(server_pid) or running(supervisor_pid)):
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        killed = time.time()
+        while time.time() < killed + 120 and (running(server_pid) or running(supervisor_pid)):
             time.sleep(1)
-        assert not running(server_pid), "the server outlived the killed workflow"
-        assert not running(supervisor_pid), "the serve job outlived the killed workflow"
+        assert not running(server_pid), "the server outlived the killed job"
+        assert not running(supervisor_pid), "the supervisor outlived the killed job"
+        assert time.time() - killed >= grace
+        record = json.loads(endpoint.read_text())
+        assert record["state"] == "stopped" and record["stop_reason"] == "no job held it for the idle grace"
     finally:
-        if parent.poll() is None:
-            os.killpg(parent.pid, signal.SIGKILL)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
 
 
 def _lines(path: Path) -> list[dict]:
@@ -479,7 +495,6 @@ def test_a_reference_at_chance_makes_every_mmlu_verdict_cannot_tell(workdir, tmp
     organism scores): the workflow's compare and report jobs then say "cannot tell" for every build,
     with the reason, and "Which build" counts none of them as a pass."""
     import random
-    import shutil
 
     work = tmp_path / "workflow"
     shutil.copytree(workdir, work, symlinks=True)

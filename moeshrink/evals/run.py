@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from moeshrink.endpoint import Endpoint, wait_for_endpoint
+from moeshrink.endpoint import Endpoint
 from moeshrink.evals import EvalError, agreement, facts, harness, result, sets, toolcalls
 from moeshrink.evals.client import RequestPool
 from moeshrink.ioutil import read_json
 from moeshrink.provenance import Provenance
+from moeshrink.server_lease import ServerLease
 
 
 @dataclass
@@ -23,7 +24,7 @@ class EvalJob:
     client: dict              # evals.client
     serve: dict               # serve (for limits the server enforces)
     build_dir: Path
-    endpoint_file: Path
+    server: ServerLease      # the build's server, acquired when the eval first needs it
     out_json: Path
     records: Path
     inputs: dict[str, Path]   # the eval set files, by name
@@ -33,7 +34,7 @@ class EvalJob:
                           inputs=[str(p) for p in self.inputs.values()])
 
     def endpoint(self) -> Endpoint:
-        return wait_for_endpoint(self.endpoint_file, float(self.serve["startup_timeout_s"]) + 120)
+        return self.server.acquire()
 
     def pool(self, endpoint: Endpoint) -> RequestPool:
         return RequestPool(endpoint, self.client["concurrency"], self.client["retries"], self.client["timeout_s"],
