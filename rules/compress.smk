@@ -1,5 +1,7 @@
 # Stage 2: each build from the upstream: a plan (which experts, which bits), one job per upstream
 # shard (in parallel, each independent), then a gather job (index, config, tokenizer, manifest).
+# Builds are made in the order their servers queue (the reference first), so that the reference is
+# served first and every other build's agreement has its passages when that build is served.
 
 
 rule build_plan:
@@ -14,6 +16,7 @@ rule build_plan:
         "logs/builds/{build}/plan.log",
     benchmark:
         "benchmarks/builds/{build}/plan.tsv"
+    priority: server_queue_priority
     resources:
         **CPU_JOB,
         mem_mb=8000,
@@ -34,6 +37,7 @@ rule build_shard:
         "logs/builds/{build}/{shard}.log",
     benchmark:
         "benchmarks/builds/{build}/{shard}.tsv"
+    priority: server_queue_priority
     resources:
         **CPU_JOB,
         mem_mb=lambda wildcards, attempt: 8000 * attempt,
@@ -53,6 +57,7 @@ rule build_gather:
         "logs/builds/{build}/gather.log",
     benchmark:
         "benchmarks/builds/{build}/gather.tsv"
+    priority: server_queue_priority
     resources:
         **CPU_JOB,
         mem_mb=4000,

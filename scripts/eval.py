@@ -12,6 +12,8 @@ job = EvalJob(
     out_json=Path(snakemake.output.result), records=Path(snakemake.output.records),
     inputs={name: Path(path) for name, path in snakemake.input.items() if name not in SPECIAL_INPUTS})
 reference = snakemake.output.get("reference") or snakemake.input.get("reference")
-with job.server:  # released at the end, or by this job's death
+try:  # the eval leases the build's server when it first needs it (after checking its set)
     smk.run(snakemake, lambda: run(job, Path(reference) if reference else None,
                                    snakemake.params.get("reference_build")))
+finally:
+    job.server.release()

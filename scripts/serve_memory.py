@@ -2,7 +2,12 @@ from pathlib import Path
 
 from moeshrink import smk, stages
 
-with smk.server_lease(snakemake) as endpoint:
-    smk.run(snakemake, lambda: stages.serve_memory(
-        snakemake.wildcards.build, Path(snakemake.input.manifest).parent, smk.serve_config(snakemake),
-        Path(snakemake.input.prediction), endpoint, Path(snakemake.output.memory)))
+
+def measure() -> dict:
+    with smk.server_lease(snakemake) as endpoint:
+        return stages.serve_memory(snakemake.wildcards.build, Path(snakemake.input.manifest).parent,
+                                   smk.serve_config(snakemake), Path(snakemake.input.prediction), endpoint,
+                                   Path(snakemake.output.memory))
+
+
+smk.run(snakemake, measure)
