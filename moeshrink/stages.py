@@ -222,7 +222,8 @@ def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_fil
     failed = [name for name, ok in figures["checks"].items() if not ok]
     if failed:
         logging.getLogger("moeshrink.serve").warning("%s: memory checks failed: %s", build_id, ", ".join(failed))
-    server = {key: endpoint.record[key] for key in ("command", "args", "startup_seconds", "model_dir", "log")}
+    server = {key: endpoint.record.get(key) for key in ("command", "args", "startup_seconds", "model_dir", "log", "ready_at",
+                                                        "started_by")}
     models_status, models = endpoint.get("/v1/models")
     models_check = {"request": "GET /v1/models", "status": models_status,
                     "served": [model.get("id") for model in models.get("data", [])]}
