@@ -4,7 +4,8 @@ What `results/serve/{build}/` holds while a server lives:
   server.lock      an flock: one process at a time reads or changes the records below
   endpoint.json    the supervisor's record: state (queued, starting, ready, failed, stopped), URL, key,
                    pids, and the fingerprint of the serve flags the server was started with
-  leases/<pid>     one file per job holding the server; a lease whose process is gone counts for nothing
+  leases/<pid>-<t> one file per job holding the server (pid and start time); a lease whose process is
+                   gone counts for nothing
   server.pid.json  the vLLM process group, for stopping a server an earlier supervisor left
   starts.jsonl     one line per server start: when, which job started it
 
@@ -73,6 +74,25 @@ def alive(pid: int) -> bool:
     return sys.platform != "linux"  # no /proc entry on Linux: gone
 
 
+def process_key(pid: int) -> str:
+    """The pid with the process's start time (clock ticks after boot): a pid the kernel reuses for
+    another process later is not mistaken for the job or supervisor that held it."""
+    try:
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "0"
+    return f"{pid}-{started}"
+
+
+def held_by(key: str) -> int:
+    """The pid of a live process a key names (0 if it is gone or the pid now belongs to another)."""
+    pid_text, _, started = key.partition("-")
+    pid = int(pid_text) if pid_text.isdigit() else 0
+    if not alive(pid) or process_key(pid) != f"{pid}-{started}":
+        return 0
+    return pid
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,8 +115,7 @@ def live_leases(serve_dir: Path) -> list[int]:
     """Pids of the jobs holding the build's server; the files of dead ones are removed. Call under the lock."""
     holders = []
     for lease in sorted((serve_dir / LEASES_DIR).glob("*")):
-        pid = int(lease.name) if lease.name.isdigit() else 0
-        if alive(pid):
+        if pid := held_by(lease.name):
             holders.append(pid)
         else:
             lease.unlink(missing_ok=True)
@@ -166,7 +185,7 @@ class ServerLease:
     def __init__(self, spec: ServerSpec, holder: str):
         self.spec = spec
         self.holder = holder
-        self.lease_file = spec.serve_dir / LEASES_DIR / str(os.getpid())
+        self.lease_file = spec.serve_dir / LEASES_DIR / process_key(os.getpid())
         self._endpoint = None
 
     def acquire(self):
@@ -273,7 +292,7 @@ class MachineSlot:
     def __init__(self, count: int, order: int, directory: Path | None = None):
         self.count = count
         self.directory = directory or slots_dir()
-        self.ticket = self.directory / "queue" / f"{order:06d}-{os.getpid()}"
+        self.ticket = self.directory / "queue" / f"{order:06d}-{process_key(os.getpid())}"
         self.handle = None
 
     def acquire(self, abort: Callable[[], bool] = lambda: False) -> int:
@@ -301,9 +320,9 @@ class MachineSlot:
     def _waiting(self) -> list[tuple[int, int, Path]]:
         waiting = []
         for ticket in (self.directory / "queue").glob("*-*"):
-            order, _, pid = ticket.name.partition("-")
-            if alive(int(pid)):
-                waiting.append((int(order), int(pid), ticket))
+            order, _, key = ticket.name.partition("-")
+            if pid := held_by(key):
+                waiting.append((int(order), pid, ticket))
             else:
                 ticket.unlink(missing_ok=True)
         return waiting

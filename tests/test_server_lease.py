@@ -17,7 +17,7 @@ from moeshrink import serve, server_lease
 from moeshrink.endpoint import EndpointError, wait_for_endpoint
 from moeshrink.ioutil import atomic_write_json
 from moeshrink.server_lease import (ENDPOINT_FILE, LEASES_DIR, MachineSlot, alive, flags_fingerprint, live_leases,
-                                    queue_order)
+                                    process_key, queue_order)
 from moeshrink.vllm_server import VLLMServer
 
 
@@ -27,7 +27,7 @@ def _sleeper(seconds: float = 120) -> subprocess.Popen:
 
 def _lease(serve_dir: Path, pid: int) -> None:
     (serve_dir / LEASES_DIR).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(serve_dir / LEASES_DIR / str(pid), {"pid": pid})
+    atomic_write_json(serve_dir / LEASES_DIR / process_key(pid), {"pid": pid})
 
 
 @pytest.fixture()
@@ -45,9 +45,11 @@ def test_leases_of_dead_jobs_count_for_nothing(tmp_path):
     time.sleep(1)
     for pid in (os.getpid(), dead.pid, zombie.pid):
         _lease(tmp_path, pid)
+    reused = tmp_path / LEASES_DIR / f"{os.getpid()}-1"  # our pid, once held by a process started at another time
+    reused.write_text("{}")
     assert not alive(zombie.pid) and not alive(dead.pid)
     assert live_leases(tmp_path) == [os.getpid()]
-    assert sorted(p.name for p in (tmp_path / LEASES_DIR).iterdir()) == [str(os.getpid())]
+    assert sorted(p.name for p in (tmp_path / LEASES_DIR).iterdir()) == [process_key(os.getpid())]
     zombie.wait()
 
 
@@ -118,7 +120,7 @@ def test_a_server_stops_only_after_its_last_lease_and_the_idle_grace(tmp_path, s
         time.sleep(3)
         assert loop.is_alive() and server.process.poll() is None
         released = time.time()
-        (serve_dir / LEASES_DIR / str(job_b.pid)).unlink()  # the last job releases
+        (serve_dir / LEASES_DIR / process_key(job_b.pid)).unlink()  # the last job releases
         loop.join(timeout=30)
         assert outcome == [0] and server.process.poll() is not None
         assert 1.5 <= time.time() - released < 10
