@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from moeshrink.errors import MoeshrinkError
-from moeshrink.server_lease import SUPERVISOR_LOG, alive, read_record
-from moeshrink.vllm_server import ServerClient, log_tail
+from moeshrink.ioutil import read_json
+from moeshrink.vllm_server import ServerClient, alive, log_tail
 
 
 class EndpointError(MoeshrinkError, RuntimeError):
@@ -52,6 +52,13 @@ class Endpoint(ServerClient):
             raise
 
 
+def read_record(path: Path) -> dict | None:
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
 def wait_for_endpoint(path: Path, timeout_s: float, poll_s: float = 2) -> Endpoint:
     """The build's server once it answers. While its supervisor waits for a machine slot (`queued`) no
     time is counted; from `starting` on, it has `timeout_s`. Fails within seconds, naming the cause,
@@ -73,7 +80,7 @@ def wait_for_endpoint(path: Path, timeout_s: float, poll_s: float = 2) -> Endpoi
             raise EndpointError(f"build {build!r}: its server was stopped ({record.get('stop_reason')}); last lines "
                                 f"of {record['log']}:\n{log_tail(Path(record['log']), 50)}")
         if not alive(int(record.get("supervisor_pid", 0))):
-            supervisor_log = Path(record.get("supervisor_log", path.parent / SUPERVISOR_LOG))
+            supervisor_log = Path(record.get("supervisor_log", path.parent / "supervisor.log"))
             raise EndpointError(f"build {build!r}: {path}: its supervisor (pid {record.get('supervisor_pid')}) ended "
                                 f"without a server; last lines of {supervisor_log}:\n{log_tail(supervisor_log, 50)}")
         if state != "queued":

@@ -33,10 +33,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from moeshrink.endpoint import Endpoint, read_record, wait_for_endpoint
 from moeshrink.errors import MoeshrinkError
-from moeshrink.ioutil import atomic_write_json, read_json
+from moeshrink.ioutil import atomic_write_json
 from moeshrink.provenance import now_iso
-from moeshrink.vllm_server import SCHEDULER_THREAD_VARS
+from moeshrink.vllm_server import SCHEDULER_THREAD_VARS, alive
 
 log = logging.getLogger("moeshrink.serve")
 
@@ -54,24 +55,6 @@ SETTLE_S = 3.0  # supervisors spawned together all queue before the first in lin
 
 class LeaseError(MoeshrinkError, RuntimeError):
     pass
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie waiting to be reaped (a supervisor that exited while the
-    job that spawned it still runs is one)."""
-    if pid <= 0:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return sys.platform != "linux"  # no /proc entry on Linux: gone
 
 
 def process_key(pid: int) -> str:
@@ -102,13 +85,6 @@ def locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def read_record(path: Path) -> dict | None:
-    try:
-        return read_json(path)
-    except (OSError, ValueError):
-        return None
 
 
 def live_leases(serve_dir: Path) -> list[int]:
@@ -186,11 +162,9 @@ class ServerLease:
         self.spec = spec
         self.holder = holder
         self.lease_file = spec.serve_dir / LEASES_DIR / process_key(os.getpid())
-        self._endpoint = None
+        self._endpoint: Endpoint | None = None
 
-    def acquire(self):
-        from moeshrink.endpoint import wait_for_endpoint
-
+    def acquire(self) -> Endpoint:
         if self._endpoint is not None:
             return self._endpoint
         serve_dir = self.spec.serve_dir
@@ -238,7 +212,7 @@ class ServerLease:
         self.lease_file.unlink(missing_ok=True)
         self._endpoint = None
 
-    def __enter__(self):
+    def __enter__(self) -> Endpoint:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

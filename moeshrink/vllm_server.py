@@ -45,6 +45,24 @@ def log_tail(path: Path, lines: int = 50) -> str:
         return "(no log)"
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped (a supervisor that exited while the
+    job that spawned it still runs is one)."""
+    if pid <= 0:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return sys.platform != "linux"  # no /proc entry on Linux: gone
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the process that started it dies (Linux), so a
     killed supervisor cannot leave a server behind."""

@@ -16,9 +16,9 @@ import pytest
 from moeshrink import serve, server_lease
 from moeshrink.endpoint import EndpointError, wait_for_endpoint
 from moeshrink.ioutil import atomic_write_json
-from moeshrink.server_lease import (ENDPOINT_FILE, LEASES_DIR, MachineSlot, alive, flags_fingerprint, live_leases,
-                                    process_key, queue_order)
-from moeshrink.vllm_server import VLLMServer
+from moeshrink.server_lease import (ENDPOINT_FILE, LEASES_DIR, MachineSlot, flags_fingerprint, live_leases, process_key,
+                                    queue_order)
+from moeshrink.vllm_server import VLLMServer, alive
 
 
 def _sleeper(seconds: float = 120) -> subprocess.Popen:
