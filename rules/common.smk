@@ -69,14 +69,6 @@ def stop_idle_servers():
     stop(Path("results/serve"), BUILD_IDS)
 
 
-def lessee_threads():
-    """A job that leases its build's server takes one core locally, so that Snakemake runs as many at
-    once as the machine has cores, the highest priority first (one build's jobs, then the next's).
-    In a cluster group it takes none: a group sums its members' threads, and the group's CPUs are the
-    server's (carried by the prediction job)."""
-    return 1 if workflow.local_exec else 0
-
-
 def server_queue_priority(wildcards):
     """A build's serve jobs run before the next build's (the reference first, then config order), so that
     each build's server starts once and serves all its jobs back to back."""

@@ -31,7 +31,9 @@ rule eval:
     group:
         "serve_{build}"
     priority: server_queue_priority
-    threads: lessee_threads()
+    # one core on one machine, so that Snakemake runs as many at once as it has cores, the highest
+    # priority first (one build's jobs, then the next's); none in a cluster group (profiles/slurm)
+    threads: 1
     resources:
         **SERVER_NODE,
         mem_mb=4000,

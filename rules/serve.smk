@@ -41,7 +41,9 @@ rule serve_memory:
     group:
         "serve_{build}"
     priority: server_queue_priority
-    threads: lessee_threads()
+    # one core on one machine, so that Snakemake runs as many at once as it has cores, the highest
+    # priority first (one build's jobs, then the next's); none in a cluster group (profiles/slurm)
+    threads: 1
     # it carries the server's memory on a cluster node (it runs beside the evals there; the server
     # lives while they do)
     resources:
