@@ -87,18 +87,12 @@ class _Stop:
         return cls.requested
 
 
-# When another build's supervisor waits for this machine's slot, an unheld server hands it over after
-# this long instead of serve.idle_grace_s (Snakemake starts a build's next ready job within a second).
-HANDOVER_GRACE_S = 5.0
-
-
 class _Idle:
     """How long the build's server has gone without a live lease."""
 
-    def __init__(self, serve_dir: Path, grace_s: float, slot: MachineSlot):
+    def __init__(self, serve_dir: Path, grace_s: float):
         self.serve_dir = serve_dir
         self.grace_s = grace_s
-        self.slot = slot
         self.since: float | None = None
 
     def expired(self) -> bool:
@@ -108,8 +102,7 @@ class _Idle:
             return False
         now = time.time()
         self.since = self.since or now
-        grace = min(self.grace_s, HANDOVER_GRACE_S) if self.slot.others_waiting() else self.grace_s
-        return now - self.since >= grace
+        return now - self.since >= self.grace_s
 
     def expired_now(self) -> bool:
         with locked(self.serve_dir / LOCK_FILE):
@@ -124,7 +117,7 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
         signal.signal(sig, _Stop.handler)
     update_record(serve_dir, state="queued", build=build, supervisor_pid=os.getpid(), log=str(log_path))
     slot = MachineSlot(int(serve["servers_per_machine"]), queue_order)
-    idle = _Idle(serve_dir, float(serve["idle_grace_s"]), slot)
+    idle = _Idle(serve_dir, float(serve["idle_grace_s"]))
     try:
         slot_number = slot.acquire(abort=lambda: _Stop.now() or idle.expired_now())
     except LeaseError as error:

@@ -305,10 +305,6 @@ class MachineSlot:
         waiting = self._waiting()
         return bool(waiting) and min(waiting)[2] == self.ticket
 
-    def others_waiting(self) -> bool:
-        with locked(self.directory / "queue.lock"):
-            return any(ticket != self.ticket for _, _, ticket in self._waiting())
-
     def release(self) -> None:
         if self.handle is not None:
             self.handle.close()

@@ -141,10 +141,19 @@ def eval_set_inputs(eval_id):
     raise ValueError(eval_id)
 
 
+def after_reference(wildcards):
+    """Every other build is served after the reference's agreement has run (its passages are every other
+    build's agreement input), so that each build's server starts once, for all its jobs. `ancient`: an
+    order, not a dependency; a rerun of the reference reruns none of them."""
+    if "agreement" not in EVAL_IDS or wildcards.build == REFERENCE_BUILD or getattr(wildcards, "eval", None) == "agreement":
+        return {}
+    return {"after_reference": ancient(f"results/evals/{REFERENCE_BUILD}/agreement_reference.npz")}
+
+
 def eval_inputs(wildcards):
     return {"manifest": f"results/builds/{wildcards.build}/manifest.json",
             "prediction": f"results/serve/{wildcards.build}/prediction.json",
-            **eval_set_inputs(wildcards.eval)}
+            **after_reference(wildcards), **eval_set_inputs(wildcards.eval)}
 
 
 def compared_evals(build_a, build_b):

@@ -30,6 +30,7 @@ rule serve_prediction:
 
 rule serve_memory:
     input:
+        unpack(after_reference),
         manifest="results/builds/{build}/manifest.json",
         prediction="results/serve/{build}/prediction.json",
     output:

@@ -3,7 +3,7 @@ from pathlib import Path
 from moeshrink import smk
 from moeshrink.evals.run import EvalJob, run
 
-SPECIAL_INPUTS = {"manifest", "prediction", "reference"}
+SPECIAL_INPUTS = {"manifest", "prediction", "reference", "after_reference"}
 
 job = EvalJob(
     build=snakemake.wildcards.build, eval_id=snakemake.wildcards.eval, cfg=snakemake.params.spec,
