@@ -155,7 +155,8 @@ def _serve(build: str, model_dir: Path, serve: dict, prediction_path: Path, serv
         server.start(abort=lambda: _Stop.now() or idle.expired_now())
     except ServerError as error:
         if _Stop.now() or idle.since is not None:
-            _stopped(serve_dir, server, float(serve["stop_timeout_s"]), "no job held it while it started")
+            with locked(serve_dir / LOCK_FILE):
+                _stopped(serve_dir, server, float(serve["stop_timeout_s"]), "no job held it while it started")
             return 0
         return _failed(serve_dir, log_path, str(error).splitlines()[0])
     atomic_write_json(serve_dir / PID_FILE, {"pid": server.process.pid, "pgid": os.getpgid(server.process.pid),
@@ -176,23 +177,23 @@ def _serve_while_leased(build: str, server: VLLMServer, serve_dir: Path, idle: _
     while True:
         if server.process.poll() is not None:
             log.error("the server of %s exited with code %s while serving", build, server.process.returncode)
-            _stopped(serve_dir, server, stop_timeout_s, f"the server exited with code {server.process.returncode}")
+            with locked(serve_dir / LOCK_FILE):
+                _stopped(serve_dir, server, stop_timeout_s, f"the server exited with code {server.process.returncode}")
             return 1
         with locked(serve_dir / LOCK_FILE):
             if _Stop.now() or idle.expired():
                 reason = "terminated" if _Stop.now() else "no job held it for the idle grace"
-                _stopped(serve_dir, server, stop_timeout_s, reason, locked_already=True)
+                _stopped(serve_dir, server, stop_timeout_s, reason)
                 log.info("%s stopped (%s)", build, reason)
                 return 0
         time.sleep(1)
 
 
-def _stopped(serve_dir: Path, server: VLLMServer, stop_timeout_s: float, reason: str,
-             locked_already: bool = False) -> None:
+def _stopped(serve_dir: Path, server: VLLMServer, stop_timeout_s: float, reason: str) -> None:
+    """Stop the server and record it; the caller holds the lock."""
     server.stop(timeout_s=stop_timeout_s)
     (serve_dir / PID_FILE).unlink(missing_ok=True)
-    fields = {"state": "stopped", "stopped_at": now_iso(), "stop_reason": reason, "api_key": None}
-    (merge_record if locked_already else update_record)(serve_dir, **fields)
+    merge_record(serve_dir, state="stopped", stopped_at=now_iso(), stop_reason=reason, api_key=None)
 
 
 def _failed(serve_dir: Path, log_path: Path, message: str) -> int:
