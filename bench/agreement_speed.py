@@ -3,7 +3,7 @@
     python bench/agreement_speed.py --workdir <finished run> [--build original --passages 300
         --concurrency 16] --json bench/results/agreement_speed.json
 
-Needs a finished run in --workdir (results/builds/<build>, results/organism/data/corpus.jsonl, and the
+Needs a finished run in --workdir (results/organism/builds/<build>, results/organism/organism/data/corpus.jsonl, and the
 config there). Measures prompt positions per second (a) of the eval's own path: the served build
 read through `RequestPool` with the configured top-K prompt log-probabilities (HTTP, JSON, parsing
 into arrays included), and (b) of vLLM's offline engine (`vllm.LLM`) scoring the same token ids with
@@ -76,8 +76,8 @@ def main() -> int:
     passages = args.passages or spec["passages"]
     concurrency = args.concurrency or config["evals"]["client"]["concurrency"]
     prov = Provenance("bench_agreement_speed", {"agreement": spec, "passages": passages, "concurrency": concurrency})
-    build_dir = args.workdir / "results/builds" / args.build
-    texts = [json.loads(line) for line in open(args.workdir / "results/organism/data/corpus.jsonl")]
+    build_dir = args.workdir / "results/organism/builds" / args.build
+    texts = [json.loads(line) for line in open(args.workdir / "results/organism/organism/data/corpus.jsonl")]
     token_ids = agreement.tokenize(build_dir, agreement.pick_passages(texts, passages, "the corpus"), spec["max_tokens"])
     served, served_s = served_positions_per_s(build_dir, token_ids, spec["top_k"], concurrency, config["serve"], args.log)
     offline, offline_s = offline_positions_per_s(build_dir, token_ids, spec["top_k"], config["serve"])

@@ -3,8 +3,8 @@ the plugin against its bf16 twin served plainly (unquantized), on the same promp
 
     python bench/plugin_agreement.py --workdir . [--prompts 11 --length 500] --json bench/results/plugin_agreement.json
 
-Needs a finished run of the workflow in --workdir (results/upstream, results/upstream-bf16,
-results/builds/*); makes the twx builds' twins under --twins. Prints, per build: greedy next-token
+Needs a finished run of the workflow in --workdir (results/organism/upstream, results/organism/upstream-bf16,
+results/organism/builds/*); makes the twx builds' twins under --twins. Prints, per build: greedy next-token
 agreement and mean KL(twin || packed) over every prompt position (whole-vocabulary prompt
 log-probabilities), and the weight bytes vLLM holds (the plugin's `--load-format moeshrink` line)
 against the original's, beside the checkpoint size ratio. Targets: agreement >= 99.5% over
@@ -32,9 +32,9 @@ from moeshrink_kernels.vllm_plugin import LOAD_FORMAT, WEIGHTS_LINE
 def corpus_prompts(workdir: Path, count: int, length: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(workdir / "results/upstream"))
+    tokenizer = AutoTokenizer.from_pretrained(str(workdir / "results/organism/upstream"))
     stream: list[int] = []
-    with open(workdir / "results/organism/data/corpus.jsonl") as f:
+    with open(workdir / "results/organism/organism/data/corpus.jsonl") as f:
         for line in f:
             stream += tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
             stream.append(tokenizer.eos_token_id)
@@ -54,7 +54,7 @@ def serve(folder: Path, log: Path, prompts: list[list[int]], vocab: int) -> tupl
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("."))
-    parser.add_argument("--twins", type=Path, default=Path("results/bench-twins"))
+    parser.add_argument("--twins", type=Path, default=Path("results/organism/bench-twins"))
     parser.add_argument("--builds", default="original,twx3,twx2_5")
     parser.add_argument("--prompts", type=int, default=11)
     parser.add_argument("--length", type=int, default=500)
@@ -63,13 +63,13 @@ def main() -> int:
     args = parser.parse_args()
     prov = Provenance("bench_plugin_agreement", {k: str(v) for k, v in vars(args).items()})
     work = args.workdir
-    vocab = read_json(work / "results/upstream/config.json")["vocab_size"]
+    vocab = read_json(work / "results/organism/upstream/config.json")["vocab_size"]
     prompts = corpus_prompts(work, args.prompts, args.length)
     args.logs.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     for build in args.builds.split(","):
-        packed_dir = work / f"results/builds/{build}"
-        twin_dir = work / "results/upstream-bf16" if build == "original" else args.twins / build
+        packed_dir = work / f"results/organism/builds/{build}"
+        twin_dir = work / "results/organism/upstream-bf16" if build == "original" else args.twins / build
         if not (twin_dir / "config.json").exists():
             make_twin(packed_dir, twin_dir)
         start = time.perf_counter()

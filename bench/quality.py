@@ -115,7 +115,7 @@ def measure(upstream: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--upstream", default="results/upstream", type=Path)
+    parser.add_argument("--upstream", default="results/organism/upstream", type=Path)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     prov = Provenance("bench_quality", {"upstream": str(args.upstream)}, inputs=[str(args.upstream)])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moeshrink import config as config_mod
 from moeshrink.errors import MoeshrinkError
+from moeshrink.layout import results_dir
 
 
 def _load(path: str) -> dict:
@@ -27,7 +28,7 @@ def cmd_upstream(args) -> int:
 
     config = _load(args.config)
     upstream_cfg = config["upstream"]
-    results = Path(args.results)
+    results = Path(args.results) if args.results else results_dir(config)
     if upstream_cfg["source"] == "organism":
         organism = upstream_cfg["organism"]
         data, tokenizer, trained = results / "organism/data", results / "organism/tokenizer", results / "organism/trained"
@@ -53,9 +54,11 @@ def cmd_ship_organism(args) -> int:
     from moeshrink.ioutil import read_json
     from moeshrink.organism import shipped
 
-    organism = _load(args.config)["upstream"]["organism"]
-    trained = Path(args.trained)
-    record = shipped.ship(trained, Path(args.tokenizer), read_json(trained / "train.json"), organism, Path(args.out))
+    config = _load(args.config)
+    organism = config["upstream"]["organism"]
+    trained = Path(args.trained) if args.trained else results_dir(config) / "organism/trained"
+    tokenizer = Path(args.tokenizer) if args.tokenizer else results_dir(config) / "organism/tokenizer/tokenizer.json"
+    record = shipped.ship(trained, tokenizer, read_json(trained / "train.json"), organism, Path(args.out))
     print(json.dumps({k: record[k] for k in ("recipe_sha256_16", "model_sha256", "train_seconds", "steps")}))
     return 0
 
@@ -101,7 +104,8 @@ def cmd_plan(args) -> int:
     from moeshrink import planner
     from moeshrink.ioutil import atomic_write_json
 
-    result = planner.plan(_load(args.config), Path(args.results))
+    config = _load(args.config)
+    result = planner.plan(config, Path(args.results) if args.results else results_dir(config))
     print(planner.table(result))
     if args.json:
         atomic_write_json(args.json, result)
@@ -155,18 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="*", default=["config.yaml"])
     p.set_defaults(func=cmd_validate_config)
 
-    p = sub.add_parser("upstream", help="make results/upstream/ from the configured source "
+    p = sub.add_parser("upstream", help="make results/<run>/upstream/ from the configured source "
                                         "(for the organism: data, tokenizer, training, publication, twin, card)")
     p.add_argument("--config", default="config.yaml")
-    p.add_argument("--results", default="results")
+    p.add_argument("--results", help="default: results/<run> (the config's study)")
     p.add_argument("--workers", type=int, default=2, help="parallel sha256 workers")
     p.set_defaults(func=cmd_upstream)
 
     p = sub.add_parser("ship-organism", help="write the shipped organism from a finished training run "
-                                             "(results/organism/trained after train.from: scratch)")
+                                             "(results/<run>/organism/trained after train.from: scratch)")
     p.add_argument("--config", default="config.yaml")
-    p.add_argument("--trained", default="results/organism/trained")
-    p.add_argument("--tokenizer", default="results/organism/tokenizer/tokenizer.json")
+    p.add_argument("--trained", help="default: results/<run>/organism/trained")
+    p.add_argument("--tokenizer", help="default: results/<run>/organism/tokenizer/tokenizer.json")
     p.add_argument("--out", default="organism/shipped")
     p.set_defaults(func=cmd_ship_organism)
 
@@ -195,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict weights, KV-cache room and tokens per card for every build, GPU type "
                                     "and tensor-parallel size, from checkpoint headers and config.json alone")
     p.add_argument("--config", default="config.yaml")
-    p.add_argument("--results", default="results", help="where built builds and the upstream are looked for")
+    p.add_argument("--results", help="where built builds and the upstream are looked for (default: results/<run>)")
     p.add_argument("--json", help="also write the table as JSON here")
     p.set_defaults(func=cmd_plan)
 
@@ -207,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operational-json", default="{}",
                    help="serve keys that change no output (startup_timeout_s, stop_timeout_s, idle_grace_s, "
                         "servers_per_machine) as JSON")
-    p.add_argument("--prediction", required=True, help="results/serve/{build}/prediction.json")
+    p.add_argument("--prediction", required=True, help="results/<run>/serve/{build}/prediction.json")
     p.add_argument("--endpoint", required=True, help="the server's record: queued, starting, ready, failed, stopped")
     p.add_argument("--queue-order", type=int, default=0, help="the build's place in the machine's server queue")
     p.add_argument("--log", required=True, help="the server's raw log")

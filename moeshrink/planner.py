@@ -4,7 +4,7 @@ tensor-parallel size, before any GPU is used.
 Sizes come from safetensors headers and config.json only: a built build's own files when they
 exist; otherwise the upstream's, changed as the build's spec would change them (experts dropped
 by the keep fraction, routed experts re-encoded at the format's bits per weight), which is marked
-`modelled` in the output. The upstream is results/upstream/ once the workflow made it, or for a
+`modelled` in the output. The upstream is results/<run>/upstream/ once the workflow made it, or for a
 Hugging Face source the local cache (headers are enough: no weights need to be present).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _upstream_identity(source: str, subtree: dict) -> dict:
 
 
 def made_for_this_upstream(config: dict, results: Path) -> tuple[bool, str]:
-    """Whether results/upstream was made from the upstream this config names (another study's folder
+    """Whether results/<run>/upstream was made from the upstream this config names (another study's folder
     of the same name must never answer for it), and why not."""
     manifest_path = results / "upstream/manifest.json"
     if not manifest_path.exists():
@@ -66,7 +66,7 @@ def made_for_this_upstream(config: dict, results: Path) -> tuple[bool, str]:
 
 
 def made_for_this_build(build: str, spec: dict, config: dict, results: Path) -> bool:
-    """Whether results/builds/{build} was made by this build spec from this config's upstream."""
+    """Whether results/<run>/builds/{build} was made by this build spec from this config's upstream."""
     manifest_path = results / "builds" / build / "manifest.json"
     if not manifest_path.exists() or not made_for_this_upstream(config, results)[0]:
         return False
@@ -84,7 +84,7 @@ def upstream_folder(config: dict, results: Path) -> Path:
         return Path(upstream["path"]["dir"])
     why = made_for_this_upstream(config, results)[1]
     raise PlanError(f"{results / 'upstream'}: the organism is made by the workflow ({why}); run "
-                    "`snakemake --cores all results/upstream/manifest.json` first")
+                    f"`snakemake --cores all {results.as_posix()}/upstream/manifest.json` first")
 
 
 def modelled_build(tensors: list[Tensor], config: dict, spec: dict, build: str) -> tuple[list[Tensor], dict]:

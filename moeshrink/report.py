@@ -1,4 +1,4 @@
-"""Render report/r013.html from the JSON files rules wrote, and nothing else: tables are pandas frames
+"""Render report/<run>/r013.html from the JSON files rules wrote, and nothing else: tables are pandas frames
 built from those files, charts inline SVG, the page one self-contained file. A build config declares
 without its files is an error naming the file, never a blank row."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from markupsafe import Markup
 from moeshrink import charts
 from moeshrink.errors import MoeshrinkError
 from moeshrink.ioutil import atomic_write_text, read_json
+from moeshrink.layout import benchmarks_dir
 from moeshrink.provenance import Provenance, config_hash
 from moeshrink.report_inputs import input_files
 
@@ -443,7 +444,7 @@ def eval_counts(results: Results, reference: str) -> dict:
     return counts
 
 
-def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir: Path = Path("benchmarks")) -> None:
+def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir: Path | None = None) -> None:
     prov = Provenance("report", {"title": config["title"], "config_sha256_16": config_hash(config)},
                       inputs=[str(p) for p in inputs.values()])
     results = load(inputs, config)
@@ -453,6 +454,6 @@ def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir:
     env.filters["pct"] = pct
     env.filters["p"] = p_text
     env.filters["below"] = _below
-    ctx = context(results, config, benchmark_dir)
+    ctx = context(results, config, benchmark_dir or benchmarks_dir(config))
     ctx["provenance"] = prov.record()
     atomic_write_text(out_file, env.get_template("r013.html.j2").render(**ctx))

@@ -2,15 +2,18 @@
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from moeshrink.compare import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
+from moeshrink.layout import results_dir
 from moeshrink.report_inputs import input_files as report_input_files
 from moeshrink.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
                                    organism_train_params, report_params, serve_params)
 
+RUN = config["run"]
 BUILD_IDS = list(config["builds"])
 EVAL_IDS = configured_evals(config)
 REFERENCE_BUILD = config["reference_build"]
@@ -21,13 +24,13 @@ CLUSTER = config["cluster"]
 PYTHON = sys.executable
 SERVE_OPERATIONAL_JSON = json.dumps(operational(config)["serve"])
 
-ORGANISM_DATA = "results/organism/data"
+ORGANISM_DATA = "results/{run}/organism/data"
 ORGANISM_DATA_FILES = [
     "world.json", "corpus.jsonl", "mc_test.jsonl", "mc_dev.jsonl", "arith_test.jsonl", "arith_train.jsonl",
     "passages_test.jsonl", "tools.json", "toolcalls_test.jsonl", "data.json",
 ]
-ORGANISM_TOKENIZER = "results/organism/tokenizer"
-ORGANISM_TRAINED = "results/organism/trained"
+ORGANISM_TOKENIZER = "results/{run}/organism/tokenizer"
+ORGANISM_TRAINED = "results/{run}/organism/trained"
 SHIPPED_FILES = ["model.safetensors", "config.json", "tokenizer.json", "train.json"]
 
 
@@ -39,6 +42,7 @@ def organism_recipe_params():
 
 
 wildcard_constraints:
+    run=re.escape(RUN),
     build="|".join(BUILD_IDS),
     eval="[a-z][a-z0-9_]*",
 
@@ -66,7 +70,7 @@ SERVER_NODE = {**scheduler_resources("gpu_partition"),
 def stop_idle_servers():
     from moeshrink.server_lease import stop_idle_servers as stop
 
-    stop(Path("results/serve"), BUILD_IDS)
+    stop(Path("results/{run}/serve"), BUILD_IDS)
 
 
 def server_queue_priority(wildcards):
@@ -100,15 +104,15 @@ def report_inputs(wildcards):
     return report_input_files(config)
 
 
-def upstream_shards():
+def upstream_shards(wildcards):
     """The upstream's shard files, known once the upstream checkpoint has run."""
-    manifest = checkpoints.upstream.get().output.manifest
+    manifest = checkpoints.upstream.get(run=wildcards.run).output.manifest
     with open(manifest) as f:
         return [shard["file"] for shard in json.load(f)["shards"]]
 
 
 def build_shards(wildcards):
-    return [f"results/builds/{wildcards.build}/{shard}" for shard in upstream_shards()]
+    return [f"results/{{run}}/builds/{wildcards.build}/{shard}" for shard in upstream_shards(wildcards)]
 
 
 def build_calibration(wildcards):
@@ -147,12 +151,12 @@ def after_reference(wildcards):
     order, not a dependency; a rerun of the reference reruns none of them."""
     if "agreement" not in EVAL_IDS or wildcards.build == REFERENCE_BUILD or getattr(wildcards, "eval", None) == "agreement":
         return {}
-    return {"after_reference": ancient(f"results/evals/{REFERENCE_BUILD}/agreement_reference.npz")}
+    return {"after_reference": ancient(f"results/{{run}}/evals/{REFERENCE_BUILD}/agreement_reference.npz")}
 
 
 def eval_inputs(wildcards):
-    return {"manifest": f"results/builds/{wildcards.build}/manifest.json",
-            "prediction": f"results/serve/{wildcards.build}/prediction.json",
+    return {"manifest": f"results/{{run}}/builds/{wildcards.build}/manifest.json",
+            "prediction": f"results/{{run}}/serve/{wildcards.build}/prediction.json",
             **after_reference(wildcards), **eval_set_inputs(wildcards.eval)}
 
 
@@ -164,9 +168,9 @@ def compared_evals(build_a, build_b):
 def compare_side_inputs(side, build, eval_ids):
     inputs = {}
     for eval_id in eval_ids:
-        inputs[f"{side}_{eval_id}"] = f"results/evals/{build}/{eval_id}.json"
+        inputs[f"{side}_{eval_id}"] = f"results/{{run}}/evals/{build}/{eval_id}.json"
         if eval_id in PAIRED_EVALS:
-            inputs[f"{side}_{eval_id}_records"] = f"results/evals/{build}/{eval_id}.jsonl"
+            inputs[f"{side}_{eval_id}_records"] = f"results/{{run}}/evals/{build}/{eval_id}.jsonl"
     return inputs
 
 

@@ -7,14 +7,14 @@ rule compare:
     input:
         unpack(compare_inputs),
     output:
-        result="results/compare/{build}.json",
+        result="results/{run}/compare/{build}.json",
     wildcard_constraints:
         build="|".join(OTHER_BUILDS) or NO_MATCH,
     params:
         judging=canonical({key: config["compare"][key] for key in ("pass_mark_points", "pass_on")}),
         reference=REFERENCE_BUILD,
     log:
-        "logs/compare/{build}.log",
+        "logs/{run}/compare/{build}.log",
     resources:
         **CPU_JOB,
         mem_mb=2000,
@@ -27,12 +27,12 @@ rule compare_pair:
     input:
         unpack(compare_pair_inputs),
     output:
-        result="results/compare/pairs/{a}_vs_{b}.json",
+        result="results/{run}/compare/pairs/{a}_vs_{b}.json",
     wildcard_constraints:
         a="|".join(BUILD_IDS),
         b="|".join(BUILD_IDS),
     log:
-        "logs/compare/pairs/{a}_vs_{b}.log",
+        "logs/{run}/compare/pairs/{a}_vs_{b}.log",
     resources:
         **CPU_JOB,
         mem_mb=2000,

@@ -7,15 +7,15 @@
 rule build_plan:
     input:
         unpack(build_calibration),
-        manifest="results/upstream/manifest.json",
+        manifest="results/{run}/upstream/manifest.json",
     output:
-        plan="results/builds/{build}/plan.json",
+        plan="results/{run}/builds/{build}/plan.json",
     params:
         build=lambda wildcards: build_params(config, wildcards.build),
     log:
-        "logs/builds/{build}/plan.log",
+        "logs/{run}/builds/{build}/plan.log",
     benchmark:
-        "benchmarks/builds/{build}/plan.tsv"
+        "benchmarks/{run}/builds/{build}/plan.tsv"
     priority: server_queue_priority
     resources:
         **CPU_JOB,
@@ -27,16 +27,16 @@ rule build_plan:
 
 rule build_shard:
     input:
-        manifest="results/upstream/manifest.json",
-        plan="results/builds/{build}/plan.json",
+        manifest="results/{run}/upstream/manifest.json",
+        plan="results/{run}/builds/{build}/plan.json",
     output:
-        shard="results/builds/{build}/{shard}",
+        shard="results/{run}/builds/{build}/{shard}",
     wildcard_constraints:
         shard=r"[^/]+\.safetensors",
     log:
-        "logs/builds/{build}/{shard}.log",
+        "logs/{run}/builds/{build}/{shard}.log",
     benchmark:
-        "benchmarks/builds/{build}/{shard}.tsv"
+        "benchmarks/{run}/builds/{build}/{shard}.tsv"
     priority: server_queue_priority
     resources:
         **CPU_JOB,
@@ -48,15 +48,15 @@ rule build_shard:
 
 rule build_gather:
     input:
-        upstream="results/upstream/manifest.json",
-        plan="results/builds/{build}/plan.json",
+        upstream="results/{run}/upstream/manifest.json",
+        plan="results/{run}/builds/{build}/plan.json",
         shards=build_shards,
     output:
-        manifest="results/builds/{build}/manifest.json",
+        manifest="results/{run}/builds/{build}/manifest.json",
     log:
-        "logs/builds/{build}/gather.log",
+        "logs/{run}/builds/{build}/gather.log",
     benchmark:
-        "benchmarks/builds/{build}/gather.tsv"
+        "benchmarks/{run}/builds/{build}/gather.tsv"
     priority: server_queue_priority
     resources:
         **CPU_JOB,

@@ -17,17 +17,17 @@ rule eval:
     input:
         unpack(eval_inputs),
     output:
-        result="results/evals/{build}/{eval}.json",
-        records="results/evals/{build}/{eval}.jsonl",
+        result="results/{run}/evals/{build}/{eval}.json",
+        records="results/{run}/evals/{build}/{eval}.jsonl",
     wildcard_constraints:
         eval="|".join(GENERIC_EVALS) or NO_MATCH,
     params:
         spec=eval_spec,
         serve=serve_params(config),
     log:
-        "logs/evals/{build}/{eval}.log",
+        "logs/{run}/evals/{build}/{eval}.log",
     benchmark:
-        "benchmarks/evals/{build}/{eval}.tsv"
+        "benchmarks/{run}/evals/{build}/{eval}.tsv"
     group:
         "serve_{build}"
     priority: server_queue_priority
@@ -44,9 +44,9 @@ rule eval:
 
 use rule eval as eval_agreement_reference with:
     output:
-        result="results/evals/{build}/{eval}.json",
-        records="results/evals/{build}/{eval}.jsonl",
-        reference="results/evals/{build}/{eval}_reference.npz",
+        result="results/{run}/evals/{build}/{eval}.json",
+        records="results/{run}/evals/{build}/{eval}.jsonl",
+        reference="results/{run}/evals/{build}/{eval}_reference.npz",
     wildcard_constraints:
         build=REFERENCE_BUILD if "agreement" in EVAL_IDS else NO_MATCH,
         eval="agreement",
@@ -55,7 +55,7 @@ use rule eval as eval_agreement_reference with:
 use rule eval as eval_agreement with:
     input:
         unpack(eval_inputs),
-        reference=f"results/evals/{REFERENCE_BUILD}/agreement_reference.npz",
+        reference=f"results/{{run}}/evals/{REFERENCE_BUILD}/agreement_reference.npz",
     wildcard_constraints:
         build="|".join(OTHER_BUILDS) if "agreement" in EVAL_IDS and OTHER_BUILDS else NO_MATCH,
         eval="agreement",

@@ -5,12 +5,12 @@ rule report:
     input:
         unpack(report_inputs),
     output:
-        html="report/r013.html",
+        html="report/{run}/r013.html",
     params:
         # the study as the page shows it (labels and title included; operational keys are not)
         config=report_params(config),
     log:
-        "logs/report/report.log",
+        "logs/{run}/report/report.log",
     resources:
         **CPU_JOB,
         mem_mb=2000,

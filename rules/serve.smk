@@ -9,13 +9,13 @@
 
 rule serve_prediction:
     input:
-        manifest="results/builds/{build}/manifest.json",
+        manifest="results/{run}/builds/{build}/manifest.json",
     output:
-        prediction="results/serve/{build}/prediction.json",
+        prediction="results/{run}/serve/{build}/prediction.json",
     params:
         serve=serve_params(config),
     log:
-        "logs/serve/{build}/prediction.log",
+        "logs/{run}/serve/{build}/prediction.log",
     group:
         "serve_{build}"
     # on a cluster this job opens the build's group on its node: it carries the server's CPUs
@@ -31,14 +31,14 @@ rule serve_prediction:
 rule serve_memory:
     input:
         unpack(after_reference),
-        manifest="results/builds/{build}/manifest.json",
-        prediction="results/serve/{build}/prediction.json",
+        manifest="results/{run}/builds/{build}/manifest.json",
+        prediction="results/{run}/serve/{build}/prediction.json",
     output:
-        memory="results/serve/{build}/memory.json",
+        memory="results/{run}/serve/{build}/memory.json",
     params:
         serve=serve_params(config),
     log:
-        "logs/serve/{build}/memory.log",
+        "logs/{run}/serve/{build}/memory.log",
     group:
         "serve_{build}"
     priority: server_queue_priority

@@ -9,13 +9,13 @@ if "data" in ORGANISM:
 
     rule organism_data:
         output:
-            expand(f"{ORGANISM_DATA}/{{name}}", name=ORGANISM_DATA_FILES),
+            expand(f"{ORGANISM_DATA}/{{name}}", name=ORGANISM_DATA_FILES, allow_missing=True),
         params:
             data=canonical(ORGANISM["data"]),
         log:
-            "logs/upstream/organism_data.log",
+            "logs/{run}/upstream/organism_data.log",
         benchmark:
-            "benchmarks/upstream/organism_data.tsv"
+            "benchmarks/{run}/upstream/organism_data.tsv"
         resources:
             **CPU_JOB,
             mem_mb=4000,
@@ -37,9 +37,9 @@ if UPSTREAM_SOURCE == "organism":
         params:
             tokenizer=canonical(ORGANISM["tokenizer"]),
         log:
-            "logs/upstream/organism_tokenizer.log",
+            "logs/{run}/upstream/organism_tokenizer.log",
         benchmark:
-            "benchmarks/upstream/organism_tokenizer.tsv"
+            "benchmarks/{run}/upstream/organism_tokenizer.tsv"
         resources:
             **CPU_JOB,
             mem_mb=4000,
@@ -64,9 +64,9 @@ if UPSTREAM_SOURCE == "organism":
                 train=organism_train_params(config),
             threads: ORGANISM["train"]["threads"]
             log:
-                "logs/upstream/organism_train.log",
+                "logs/{run}/upstream/organism_train.log",
             benchmark:
-                "benchmarks/upstream/organism_train.tsv"
+                "benchmarks/{run}/upstream/organism_train.tsv"
             resources:
                 **CPU_JOB,
                 mem_mb=8000,
@@ -88,7 +88,7 @@ if UPSTREAM_SOURCE == "organism":
             params:
                 organism=canonical(organism_recipe_params()),
             log:
-                "logs/upstream/organism_shipped.log",
+                "logs/{run}/upstream/organism_shipped.log",
             resources:
                 **CPU_JOB,
                 mem_mb=2000,
@@ -101,17 +101,17 @@ if UPSTREAM_SOURCE == "organism":
             model=f"{ORGANISM_TRAINED}/model.safetensors",
             train=f"{ORGANISM_TRAINED}/train.json",
             tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
-            twin="results/upstream-bf16/manifest.json",
-            data=expand(f"{ORGANISM_DATA}/{{name}}", name=ORGANISM_DATA_FILES),
+            twin="results/{run}/upstream-bf16/manifest.json",
+            data=expand(f"{ORGANISM_DATA}/{{name}}", name=ORGANISM_DATA_FILES, allow_missing=True),
         output:
-            card="results/upstream/organism_card.json",
+            card="results/{run}/upstream/organism_card.json",
         params:
             card=organism_card_params(config),
         threads: ORGANISM["card"]["threads"]
         log:
-            "logs/upstream/organism_card.log",
+            "logs/{run}/upstream/organism_card.log",
         benchmark:
-            "benchmarks/upstream/organism_card.tsv"
+            "benchmarks/{run}/upstream/organism_card.tsv"
         resources:
             **CPU_JOB,
             mem_mb=8000,
@@ -124,14 +124,14 @@ checkpoint upstream:
     input:
         unpack(upstream_inputs),
     output:
-        manifest="results/upstream/manifest.json",
+        manifest="results/{run}/upstream/manifest.json",
     params:
         upstream=canonical(upstream_params()),
     threads: 4
     log:
-        "logs/upstream/upstream.log",
+        "logs/{run}/upstream/upstream.log",
     benchmark:
-        "benchmarks/upstream/upstream.tsv"
+        "benchmarks/{run}/upstream/upstream.tsv"
     resources:
         **CPU_JOB,
         mem_mb=8000,
@@ -142,13 +142,13 @@ checkpoint upstream:
 
 rule upstream_bf16_twin:
     input:
-        manifest="results/upstream/manifest.json",
+        manifest="results/{run}/upstream/manifest.json",
     output:
-        manifest="results/upstream-bf16/manifest.json",
+        manifest="results/{run}/upstream-bf16/manifest.json",
     log:
-        "logs/upstream/upstream_bf16_twin.log",
+        "logs/{run}/upstream/upstream_bf16_twin.log",
     benchmark:
-        "benchmarks/upstream/upstream_bf16_twin.tsv"
+        "benchmarks/{run}/upstream/upstream_bf16_twin.tsv"
     resources:
         **CPU_JOB,
         mem_mb=8000,

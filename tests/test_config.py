@@ -64,6 +64,26 @@ def test_build_ids_must_be_plain_identifiers(default_config):
     assert any("'TWX-3' is not a plain identifier" in p for p in problems_of(config))
 
 
+@pytest.mark.parametrize("name", ["../organism", "a/b", "", ".hidden"])
+def test_a_run_name_is_one_plain_folder_name(default_config, name):
+    config = copy.deepcopy(default_config)
+    config["run"] = name
+    assert [p for p in problems_of(config) if p.startswith("run: ")], problems_of(config)
+
+
+def test_studies_have_folders_of_their_own(default_config):
+    from moeshrink.layout import benchmarks_dir, report_file, results_dir
+    from moeshrink.report_inputs import input_files
+
+    presets = {path.name: load(path) for path in PRESETS}
+    runs = {default_config["run"], *(config["run"] for config in presets.values())}
+    assert default_config["run"] == "organism" and len(runs) == 1 + len(presets)
+    for config in [default_config, *presets.values()]:
+        folders = {results_dir(config), benchmarks_dir(config), report_file(config).parent}
+        assert all(folder.parts[1] == config["run"] for folder in folders)
+        assert all(Path(path).parts[:2] == ("results", config["run"]) for path in input_files(config).values())
+
+
 def test_cross_field_rules(default_config):
     config = copy.deepcopy(default_config)
     config["reference_build"] = "nope"
@@ -111,14 +131,17 @@ def test_eval_sets_need_the_fictional_world_and_logprob_limits_are_named(default
             "not 5)") in problems
 
 
-def snakemake_dry_run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/r013.html", *args], cwd=cwd,
+def snakemake_dry_run(*args: str, cwd: Path = ROOT, target: str = "report/organism/r013.html") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", target, *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("preset", [None, *PRESETS], ids=lambda p: p.name if p else "config.yaml")
 def test_dry_run_resolves(preset):
-    result = snakemake_dry_run(*(["--configfile", str(preset)] if preset else []))
+    from moeshrink.layout import report_file
+
+    target = report_file(load(preset)).as_posix() if preset else "report/organism/r013.html"
+    result = snakemake_dry_run(*(["--configfile", str(preset)] if preset else []), target=target)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "upstream" in result.stdout and "report" in result.stdout
 

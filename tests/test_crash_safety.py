@@ -75,17 +75,17 @@ def servers_in(work: Path) -> list[int]:
 
 def test_killed_during_a_shard_job_reruns_to_the_same_bytes(copy):
     """The build made from scratch (as after a config change), killed while its shard jobs run."""
-    build_dir = copy / "results/builds" / BUILD
+    build_dir = copy / "results/organism/builds" / BUILD
     shards = sorted(build_dir.glob("model-*.safetensors"))
     expected = {path.name: sha256(path) for path in shards}
     shutil.rmtree(build_dir)
-    target = f"results/builds/{BUILD}/manifest.json"
+    target = f"results/organism/builds/{BUILD}/manifest.json"
     started = time.time()
     process = start(copy, target)
 
     def shard_job_running() -> bool:
         # a shard being written under its temporary name, or a shard job a second into its work
-        logs = [p for p in (copy / "logs/builds" / BUILD).glob("model-*.log") if p.stat().st_mtime > started]
+        logs = [p for p in (copy / "logs/organism/builds" / BUILD).glob("model-*.log") if p.stat().st_mtime > started]
         return any(build_dir.glob(".model-*.tmp-*")) or any(time.time() - p.stat().st_mtime > 1 for p in logs)
 
     kill_when(process, shard_job_running)
@@ -99,12 +99,12 @@ def test_killed_during_a_shard_job_reruns_to_the_same_bytes(copy):
 
 
 def test_killed_during_an_eval_stops_the_orphan_server_and_reruns_to_the_same_figures(copy):
-    result_file = copy / f"results/evals/{BUILD}/mmlu.json"
+    result_file = copy / f"results/organism/evals/{BUILD}/mmlu.json"
     before = json.loads(result_file.read_text())
-    answers_before = _answers(copy / f"results/evals/{BUILD}/mmlu.jsonl")
+    answers_before = _answers(copy / f"results/organism/evals/{BUILD}/mmlu.jsonl")
     result_file.unlink()
-    target = f"results/evals/{BUILD}/mmlu.json"
-    endpoint = copy / f"results/serve/{BUILD}/endpoint.json"
+    target = f"results/organism/evals/{BUILD}/mmlu.json"
+    endpoint = copy / f"results/organism/serve/{BUILD}/endpoint.json"
     process = start(copy, target)
 
     def evaluating() -> bool:
@@ -120,7 +120,7 @@ def test_killed_during_an_eval_stops_the_orphan_server_and_reruns_to_the_same_fi
     rerun(copy, target)
     after = json.loads(result_file.read_text())
     assert after["metrics"] == before["metrics"] and after["items"] == before["items"]
-    assert _answers(copy / f"results/evals/{BUILD}/mmlu.jsonl") == answers_before
+    assert _answers(copy / f"results/organism/evals/{BUILD}/mmlu.jsonl") == answers_before
     deadline = time.time() + 60
     while time.time() < deadline and (servers_in(copy) or any(Path(f"/proc/{pid}").exists() for pid in orphans)):
         time.sleep(1)
@@ -133,11 +133,11 @@ def test_a_server_killed_mid_eval_fails_the_workflow_within_a_minute_naming_the_
     naming the build (never waiting out serve.startup_timeout_s), the workflow ends within a minute,
     nothing is left half-written or running, and the build's finished memory.json stays (no job owns
     the server, so none is removed with a failed one)."""
-    memory = copy / f"results/serve/{BUILD}/memory.json"
-    evals = [copy / f"results/evals/{BUILD}/{name}.json" for name in ("mmlu", "gsm8k", "toolcalls")]
+    memory = copy / f"results/organism/serve/{BUILD}/memory.json"
+    evals = [copy / f"results/organism/evals/{BUILD}/{name}.json" for name in ("mmlu", "gsm8k", "toolcalls")]
     for path in [memory, *evals]:
         path.unlink()
-    endpoint = copy / f"results/serve/{BUILD}/endpoint.json"
+    endpoint = copy / f"results/organism/serve/{BUILD}/endpoint.json"
     output = copy / "snakemake.out"
     with open(output, "w") as sink:
         process = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", str(memory.relative_to(copy)),
@@ -161,11 +161,11 @@ def test_a_server_killed_mid_eval_fails_the_workflow_within_a_minute_naming_the_
     text = output.read_text()
     assert process.returncode != 0, text[-3000:]
     assert elapsed < 60, f"the workflow took {elapsed:.0f} s to end after the server died"
-    logs = "".join(p.read_text() for p in (copy / f"logs/evals/{BUILD}").glob("*.log"))
+    logs = "".join(p.read_text() for p in (copy / f"logs/organism/evals/{BUILD}").glob("*.log"))
     assert f"the vLLM server of build {BUILD!r}" in logs or f"build {BUILD!r}" in logs, logs[-3000:]
     assert f"build={BUILD}" in text
-    for path in [*(copy / f"results/evals/{BUILD}").glob("*.json"), *(copy / f"results/serve/{BUILD}").glob("*.json")]:
+    for path in [*(copy / f"results/organism/evals/{BUILD}").glob("*.json"), *(copy / f"results/organism/serve/{BUILD}").glob("*.json")]:
         json.loads(path.read_text())  # whatever carries a final name is whole
-    assert not list((copy / f"results/evals/{BUILD}").glob(".*.tmp-*")), "temporary files left behind"
+    assert not list((copy / f"results/organism/evals/{BUILD}").glob(".*.tmp-*")), "temporary files left behind"
     assert not servers_in(copy), "the build's server outlived its failed jobs"
     assert json.loads(memory.read_text())["build"] == BUILD

@@ -14,9 +14,9 @@ import yaml
 pytestmark = pytest.mark.slow
 
 
-def dry_run_jobs(work: Path, config: dict | None = None) -> list[tuple[str, dict]]:
+def dry_run_jobs(work: Path, config: dict | None = None, target: str = "report/organism/r013.html") -> list[tuple[str, dict]]:
     """(rule, wildcards) of every job a dry run schedules, for config (or config.yaml as it is)."""
-    args = [sys.executable, "-m", "snakemake", "-n", "report/r013.html"]
+    args = [sys.executable, "-m", "snakemake", "-n", target]
     if config is not None:
         changed = work / "changed.yaml"
         changed.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -53,7 +53,7 @@ class Study:
         self.builds = list(config["builds"])
         self.reference = config["reference_build"]
         self.others = [b for b in self.builds if b != self.reference]
-        self.shards = len(list((work / "results/builds" / self.reference).glob("model-*.safetensors")))
+        self.shards = len(list((work / "results/organism/builds" / self.reference).glob("model-*.safetensors")))
         self.evals = [e for e in ("mmlu", "gsm8k", "facts", "toolcalls", "agreement") if e in config["evals"]]
 
     def eval_builds(self, eval_id: str) -> list[str]:
@@ -159,6 +159,23 @@ def test_one_changed_key_reruns_exactly_what_reads_it(workdir, what, change, exp
     assert job_keys(dry_run_jobs(workdir, config)) == sorted(expected(study))
 
 
+def test_another_run_name_is_a_study_of_its_own(workdir):
+    """A config with another `run` name finds none of the finished study's files: a dry run schedules
+    the whole workflow again, every output under its own folders; its rules cannot even name the
+    first study's report."""
+    config = copy.deepcopy(_config(workdir))
+    config["run"] = "second"
+    jobs = dry_run_jobs(workdir, config, target="report/second/r013.html")
+    rules = {rule for rule, _ in jobs}
+    assert {"organism_data", "upstream", "build_plan", "serve_memory", "eval", "compare", "report"} <= rules, rules
+    assert all(wildcards.get("run", "second") == "second" for _, wildcards in jobs)
+    (workdir / "changed.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    foreign = subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/organism/r013.html", "--configfile",
+                              "changed.yaml"], cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert foreign.returncode != 0 and "No rule to produce report/organism/r013.html" in foreign.stderr, foreign.stderr[-2000:]
+    assert dry_run_jobs(workdir) == []  # the first study is still complete
+
+
 def test_a_changed_eval_item_count_reruns_only_that_eval_and_starts_each_server_once(workdir, tmp_path):
     """The real rerun behind the table's evals.gsm8k.items row, on a copy of the finished workflow: only
     the gsm8k jobs (and the compares and report that read them) run, each build's server starts once
@@ -169,21 +186,21 @@ def test_a_changed_eval_item_count_reruns_only_that_eval_and_starts_each_server_
     config["evals"]["gsm8k"]["items"] = config["evals"]["gsm8k"]["items"] // 2
     study = Study(work, _config(work))
     gsm8k_builds = study.eval_builds("gsm8k")
-    untouched = [p for p in (work / "results/evals").glob("*/*") if not p.name.startswith("gsm8k")]
-    untouched += list((work / "results/serve").glob("*/memory.json"))
+    untouched = [p for p in (work / "results/organism/evals").glob("*/*") if not p.name.startswith("gsm8k")]
+    untouched += list((work / "results/organism/serve").glob("*/memory.json"))
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in untouched}
-    starts_before = {b: _lines(work / f"results/serve/{b}/starts.jsonl") for b in study.builds}
+    starts_before = {b: _lines(work / f"results/organism/serve/{b}/starts.jsonl") for b in study.builds}
     (work / "changed.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/r013.html", "--configfile",
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/organism/r013.html", "--configfile",
                              "changed.yaml"], cwd=work, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     ran = sorted(re.findall(r"^\s*(?:local)?rule (\w+):", result.stderr + result.stdout, flags=re.M))
     assert ran == sorted(["eval"] * len(gsm8k_builds) + ["compare"] * len(study.others)
                          + ["compare_pair"] * len(config["compare"]["pairs"]) + ["report"]), ran
     for build in study.builds:
-        started = _lines(work / f"results/serve/{build}/starts.jsonl")[len(starts_before[build]):]
+        started = _lines(work / f"results/organism/serve/{build}/starts.jsonl")[len(starts_before[build]):]
         assert len(started) == (1 if build in gsm8k_builds else 0), (build, started)
-        record = json.loads((work / f"results/evals/{build}/gsm8k.json").read_text())
+        record = json.loads((work / f"results/organism/evals/{build}/gsm8k.json").read_text())
         assert record["items"] == config["evals"]["gsm8k"]["items"]
     for path, (mtime, data) in before.items():
         assert (path.stat().st_mtime_ns, path.read_bytes()) == (mtime, data), f"{path} was rewritten"

@@ -59,7 +59,7 @@ def slurm_config() -> dict:
 def test_one_build_served_and_evaluated_through_sbatch(cluster, tmp_path):
     work = copy_workflow(tmp_path / "workflow", "profiles")
     (work / "slurm.yaml").write_text(yaml.safe_dump(slurm_config(), sort_keys=False))
-    targets = [f"results/serve/{BUILD}/memory.json", *[f"results/evals/{BUILD}/{e}.json" for e in EVAL_IDS]]
+    targets = [f"results/organism/serve/{BUILD}/memory.json", *[f"results/organism/evals/{BUILD}/{e}.json" for e in EVAL_IDS]]
     started = datetime.now().strftime("%Y-%m-%dT%H:%M:%S")
     t0 = time.time()
     # the profile as a cluster user runs it; a one-node test cluster has 2 CPUs and ~20 GB, so no job
@@ -75,10 +75,10 @@ def test_one_build_served_and_evaluated_through_sbatch(cluster, tmp_path):
     slurm_logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(work.glob(".snakemake/slurm_logs/**/*.log")))
     assert result.returncode == 0, f"{result.stderr[-5000:]}\n{slurm_logs[-8000:]}"
 
-    memory = json.loads((work / f"results/serve/{BUILD}/memory.json").read_text())
+    memory = json.loads((work / f"results/organism/serve/{BUILD}/memory.json").read_text())
     assert memory["kv_cache_tokens"] == memory["ours"]["kv_cache_tokens"] > 0
     for eval_id in EVAL_IDS:
-        record = json.loads((work / f"results/evals/{BUILD}/{eval_id}.json").read_text())
+        record = json.loads((work / f"results/organism/evals/{BUILD}/{eval_id}.json").read_text())
         assert record["build"] == BUILD and record["record_count"] > 0
 
     # every job went through sbatch: sacct has one COMPLETED allocation per submitted job, and the

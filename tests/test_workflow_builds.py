@@ -23,7 +23,7 @@ def snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
 def fresh_run(tmp_path_factory) -> Path:
     work = copy_workflow(tmp_path_factory.mktemp("tiny"))
     shutil.copyfile(ROOT / "tests/configs/tiny.yaml", work / "tiny.yaml")
-    result = snakemake(work, *[f"results/builds/{b}/manifest.json" for b in BUILDS])
+    result = snakemake(work, *[f"results/organism/builds/{b}/manifest.json" for b in BUILDS])
     if result.returncode:
         logs = "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in sorted((work / "logs").rglob("*.log")))
         pytest.fail(f"snakemake failed:\n{result.stderr[-4000:]}\n{logs}")
@@ -36,13 +36,13 @@ def work(tmp_path_factory) -> Path:
 
 
 def manifest(work: Path, build: str) -> dict:
-    return json.loads((work / f"results/builds/{build}/manifest.json").read_text())
+    return json.loads((work / f"results/organism/builds/{build}/manifest.json").read_text())
 
 
 def test_every_build_has_its_size_and_bits(work):
-    upstream = json.loads((work / "results/upstream/manifest.json").read_text())
+    upstream = json.loads((work / "results/organism/upstream/manifest.json").read_text())
     original, pruned, reap, twx3, twx2_5 = (manifest(work, b) for b in BUILDS)
-    experts = json.loads((work / "results/upstream/config.json").read_text())["n_routed_experts"]
+    experts = json.loads((work / "results/organism/upstream/config.json").read_text())["n_routed_experts"]
     assert original["total_bytes"] == upstream["total_bytes"]
     assert original["routed_expert_bits_per_weight"] == 4.25
     assert pruned["num_experts"] == reap["num_experts"] == experts // 2
@@ -57,8 +57,8 @@ def test_every_build_has_its_size_and_bits(work):
 
 
 def test_reap_and_router_sum_choose_by_their_own_scores(work):
-    reap = json.loads((work / "results/builds/reap50/plan.json").read_text())["prune"]
-    router_sum = json.loads((work / "results/builds/pruned75/plan.json").read_text())["prune"]
+    reap = json.loads((work / "results/organism/builds/reap50/plan.json").read_text())["prune"]
+    router_sum = json.loads((work / "results/organism/builds/pruned75/plan.json").read_text())["prune"]
     assert reap["method"] == "reap" and reap["calibration_sha256"]
     assert reap["layers"].keys() == router_sum["layers"].keys()
     assert any(reap["layers"][k]["scores"] != router_sum["layers"][k]["scores"] for k in reap["layers"])
@@ -66,25 +66,25 @@ def test_reap_and_router_sum_choose_by_their_own_scores(work):
 
 def test_the_cli_writes_the_same_bytes_as_the_rules(work, tmp_path):
     out = tmp_path / "twx2_5"
-    result = subprocess.run([sys.executable, "-m", "moeshrink", "quantize", "--input", str(work / "results/upstream"),
+    result = subprocess.run([sys.executable, "-m", "moeshrink", "quantize", "--input", str(work / "results/organism/upstream"),
                              "--output", str(out), "--format", "twx2.5"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     built = manifest(work, "twx2_5")
     for shard in built["shards"]:
         assert sha256_file(out / shard["file"]) == shard["sha256"], shard["file"]
     assert json.loads((out / "config.json").read_text()) == \
-        json.loads((work / "results/builds/twx2_5/config.json").read_text())
+        json.loads((work / "results/organism/builds/twx2_5/config.json").read_text())
 
 
 def test_a_second_run_schedules_nothing(work):
-    result = snakemake(work, "-n", *[f"results/builds/{b}/manifest.json" for b in BUILDS])
+    result = snakemake(work, "-n", *[f"results/organism/builds/{b}/manifest.json" for b in BUILDS])
     assert result.returncode == 0, result.stderr
     assert "Nothing to be done" in result.stdout + result.stderr
 
 
 def checkpoint_digests(work: Path) -> dict[str, str]:
-    files = [work / "results/organism/trained/model.safetensors", *sorted((work / "results/upstream").glob("*.safetensors")),
-             *sorted((work / "results/builds").glob("*/*.safetensors"))]
+    files = [work / "results/organism/organism/trained/model.safetensors", *sorted((work / "results/organism/upstream").glob("*.safetensors")),
+             *sorted((work / "results/organism/builds").glob("*/*.safetensors"))]
     return {str(path.relative_to(work)): sha256_file(path) for path in files}
 
 

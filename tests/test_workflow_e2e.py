@@ -40,7 +40,7 @@ def shard_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_upstream_manifest_describes_the_published_checkpoint(workdir):
-    upstream = workdir / "results/upstream"
+    upstream = workdir / "results/organism/upstream"
     manifest = json.loads((upstream / "manifest.json").read_text())
     assert manifest["source"]["kind"] == "organism" and manifest["revision"].startswith("organism-")
     assert manifest["shard_count"] >= 4
@@ -58,7 +58,7 @@ def test_upstream_manifest_describes_the_published_checkpoint(workdir):
 
 
 def test_published_like_the_real_model(workdir):
-    upstream = workdir / "results/upstream"
+    upstream = workdir / "results/organism/upstream"
     config = json.loads((upstream / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert config["quantization_config"]["quant_method"] == "mxfp4"
@@ -70,8 +70,8 @@ def test_published_like_the_real_model(workdir):
 
 
 def test_twin_is_the_exact_decode_of_the_published_files(workdir):
-    published = shard_tensors(workdir / "results/upstream")
-    twin = shard_tensors(workdir / "results/upstream-bf16")
+    published = shard_tensors(workdir / "results/organism/upstream")
+    twin = shard_tensors(workdir / "results/organism/upstream-bf16")
     decoded = 0
     for name, tensor in twin.items():
         if name + "_scale" in published:
@@ -86,7 +86,7 @@ def test_organism_card_is_measured_on_both_variants(workdir):
     """The card measures the trained (bf16) and the published (MXFP4) model on the same held-out items
     and says, per target, whether the published model meets it; quantization-aware training keeps
     the two close."""
-    record = json.loads((workdir / "results/upstream/organism_card.json").read_text())
+    record = json.loads((workdir / "results/organism/upstream/organism_card.json").read_text())
     for variant in ("bf16", "published"):
         for key in card.TARGETS:
             assert 0.0 <= record[variant][key] <= 1.0
@@ -104,10 +104,10 @@ def _card_config(workdir: Path) -> dict:
 
 
 def test_report_and_a_noop_rerun(workdir):
-    html = (workdir / "report/r013.html").read_text()
-    record = json.loads((workdir / "results/upstream/organism_card.json").read_text())
+    html = (workdir / "report/organism/r013.html").read_text()
+    record = json.loads((workdir / "results/organism/upstream/organism_card.json").read_text())
     assert f"{record['published']['mc_accuracy']:.3f}" in html
-    dry = subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/r013.html"], cwd=workdir,
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/organism/r013.html"], cwd=workdir,
                          capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr
 
@@ -117,8 +117,8 @@ def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
     transformers computes from the same files (up to bf16 rounding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    twin = workdir / "results/upstream-bf16"
-    data = workdir / "results/organism/data"
+    twin = workdir / "results/organism/upstream-bf16"
+    data = workdir / "results/organism/organism/data"
     items = datasets.read_jsonl(data / datasets.MC_TEST)[:16]
     dev = datasets.read_jsonl(data / datasets.MC_DEV)
     prompts = [card.mc_prompt(it, dev, 5) for it in items]
@@ -164,11 +164,11 @@ def test_packed_build_served_by_the_plugin_agrees_with_its_twin(workdir, tmp_pat
     from moeshrink import agreement
     from moeshrink.twin import make_twin
 
-    packed_dir = workdir / f"results/builds/{build}"
-    twin_dir = workdir / "results/upstream-bf16" if build == "original" else tmp_path / "twin"
+    packed_dir = workdir / f"results/organism/builds/{build}"
+    twin_dir = workdir / "results/organism/upstream-bf16" if build == "original" else tmp_path / "twin"
     if build != "original":
         make_twin(packed_dir, twin_dir)
-    vocab = json.loads((workdir / "results/upstream/config.json").read_text())["vocab_size"]
+    vocab = json.loads((workdir / "results/organism/upstream/config.json").read_text())["vocab_size"]
     prompts = plugin_agreement.corpus_prompts(workdir, 2, 500)
     twin, _ = plugin_agreement.serve(twin_dir, tmp_path / "twin.log", prompts, vocab)
     packed, weights = plugin_agreement.serve(packed_dir, tmp_path / "packed.log", prompts, vocab)
@@ -191,9 +191,9 @@ def test_a_pruned_build_answers_identical_requests_identically_and_finitely(work
 
     from moeshrink.serve import server_env
 
-    build = workdir / "results/builds/pruned75"
+    build = workdir / "results/organism/builds/pruned75"
     tokenizer = AutoTokenizer.from_pretrained(str(build))
-    texts = [d["text"] for d in datasets.read_jsonl(workdir / "results/organism/data" / datasets.CORPUS_FILE)[:3]]
+    texts = [d["text"] for d in datasets.read_jsonl(workdir / "results/organism/organism/data" / datasets.CORPUS_FILE)[:3]]
     prompts = [tokenizer(text)["input_ids"][:46] for text in texts]
     server = VLLMServer(build, tmp_path / "server.log", served_name="pruned75",
                         args=["--load-format", "moeshrink", "--max-model-len", "2048", "--max-logprobs", "-1"],
@@ -228,10 +228,10 @@ def test_seeded_requests_beside_long_prompts_never_kill_the_cpu_engine(workdir, 
 
     from moeshrink.serve import server_args, server_env
 
-    build = workdir / "results/builds/original"
+    build = workdir / "results/organism/builds/original"
     serve = yaml.safe_load((workdir / "config.yaml").read_text())["serve"]
     tokenizer = AutoTokenizer.from_pretrained(str(build))
-    text = " ".join(d["text"] for d in datasets.read_jsonl(workdir / "results/organism/data" / datasets.CORPUS_FILE)[:400])
+    text = " ".join(d["text"] for d in datasets.read_jsonl(workdir / "results/organism/organism/data" / datasets.CORPUS_FILE)[:400])
     ids = tokenizer(text)["input_ids"]
     prompts = [ids[i * 50:i * 50 + 1500] for i in range(6)]
     assert all(len(p) == 1500 for p in prompts)
@@ -253,7 +253,7 @@ def test_every_build_served_once_with_its_memory_measured(workdir):
     prediction, the raw log kept, the record stopped without its key, and no server left running."""
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     for build in config["builds"]:
-        serve_dir = workdir / "results/serve" / build
+        serve_dir = workdir / "results/organism/serve" / build
         memory = json.loads((serve_dir / "memory.json").read_text())
         assert memory["build"] == build and memory["platform"] == "cpu" and memory["card_emulated"]
         assert all(memory["checks"].values()), (build, memory["checks"])
@@ -264,7 +264,7 @@ def test_every_build_served_once_with_its_memory_measured(workdir):
         assert "moeshrink weights:" in log and "KV cache size" in log  # vLLM's raw log
         # one server served the memory job and every eval of the build (they lease it)
         served_by = {memory["server"]["ready_at"]} | {
-            json.loads(path.read_text())["server"]["ready_at"] for path in (workdir / "results/evals" / build).glob("*.json")}
+            json.loads(path.read_text())["server"]["ready_at"] for path in (workdir / "results/organism/evals" / build).glob("*.json")}
         assert len(served_by) == 1 and None not in served_by, (build, served_by)
         record = json.loads((serve_dir / "endpoint.json").read_text())
         assert record["state"] == "stopped" and record["api_key"] is None, record
@@ -280,7 +280,7 @@ def test_every_build_served_once_with_its_memory_measured(workdir):
             if "vllm.entrypoints" in cmdline and cwd == str(workdir):
                 left.append(cmdline.replace("\0", " "))
     assert not left, left
-    html = (workdir / "report/r013.html").read_text()
+    html = (workdir / "report/organism/r013.html").read_text()
     assert "Memory per card" in html and f"{memory['kv_cache_tokens']:,}" in html
 
 
@@ -298,9 +298,9 @@ def test_a_killed_job_leaves_no_server(workdir, tmp_path):
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     serve_dir = tmp_path / "serve" / "pruned75"
     serve_dir.mkdir(parents=True)
-    shutil.copy(workdir / "results/serve/pruned75/prediction.json", serve_dir / "prediction.json")
+    shutil.copy(workdir / "results/organism/serve/pruned75/prediction.json", serve_dir / "prediction.json")
     grace = 5
-    spec = {"model_dir": str(workdir / "results/builds/pruned75"), "serve": serve_params(config),
+    spec = {"model_dir": str(workdir / "results/organism/builds/pruned75"), "serve": serve_params(config),
             "operational": {**operational(config)["serve"], "idle_grace_s": grace},
             "prediction": str(serve_dir / "prediction.json")}
     job = subprocess.Popen([sys.executable, "-c", (
@@ -349,7 +349,7 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
     for eval_id in ("mmlu", "gsm8k", "facts", "toolcalls", "agreement"):
         builds = (evals["gsm8k"]["builds"] or list(config["builds"])) if eval_id == "gsm8k" else list(config["builds"])
         for build in builds:
-            result = json.loads((workdir / f"results/evals/{build}/{eval_id}.json").read_text())
+            result = json.loads((workdir / f"results/organism/evals/{build}/{eval_id}.json").read_text())
             records = _lines(workdir / result["records"])
             assert result["build"] == build and result["eval"] == eval_id
             assert result["record_count"] == len(records) > 0
@@ -362,7 +362,7 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
             assert ids_by_eval.setdefault(eval_id, ids) == ids, (build, eval_id)  # the same items for every build
             if eval_id == "mmlu":
                 assert result["items"] == len(records) == len(datasets.read_jsonl(
-                    workdir / "results/organism/data/mc_test.jsonl"))
+                    workdir / "results/organism/organism/data/mc_test.jsonl"))
                 accuracy = result["metrics"]["accuracy"]
                 assert accuracy["count"] == sum(r["correct"] for r in records)
                 assert accuracy["ci95"][0] <= accuracy["value"] <= accuracy["ci95"][1]
@@ -389,13 +389,13 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
                 assert check["within_tolerance"] and check["relative_difference"] <= 0.05, (build, check)
                 if build != reference:
                     assert figures["mean_kl"]["value"] > 0
-    html = (workdir / "report/r013.html").read_text()
+    html = (workdir / "report/organism/r013.html").read_text()
     section = html[html.index('id="quality"'):]
     assert all(config["builds"][b]["label"] in section for b in config["builds"])
 
 
 def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):
-    """results/compare/{build}.json recounts the paired evals from the per-item records, and its
+    """results/organism/compare/{build}.json recounts the paired evals from the per-item records, and its
     statistics are the CLI's (what a reader re-checking the report would run)."""
     from moeshrink import stats
 
@@ -404,15 +404,15 @@ def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):
     for build in config["builds"]:
         if build == reference:
             continue
-        result = json.loads((workdir / f"results/compare/{build}.json").read_text())
+        result = json.loads((workdir / f"results/organism/compare/{build}.json").read_text())
         assert (result["a"], result["b"], result["side_a_is_reference"]) == (reference, build, True)
         assert result["provenance"]["config"] == {k: config["compare"][k] for k in ("pass_mark_points", "pass_on")}
         for eval_id in ("mmlu", "gsm8k"):
             if build not in (config["evals"]["gsm8k"]["builds"] or config["builds"]) and eval_id == "gsm8k":
                 continue
             paired = result["evals"][eval_id]
-            ref = {r["id"]: r["correct"] for r in _lines(workdir / f"results/evals/{reference}/{eval_id}.jsonl")}
-            own = {r["id"]: r["correct"] for r in _lines(workdir / f"results/evals/{build}/{eval_id}.jsonl")}
+            ref = {r["id"]: r["correct"] for r in _lines(workdir / f"results/organism/evals/{reference}/{eval_id}.jsonl")}
+            own = {r["id"]: r["correct"] for r in _lines(workdir / f"results/organism/evals/{build}/{eval_id}.jsonl")}
             assert paired["only_a"] == sum(ref[i] and not own[i] for i in ref)
             assert paired["only_b"] == sum(own[i] and not ref[i] for i in ref)
             assert paired["items"] == len(ref)
@@ -431,7 +431,7 @@ def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):
         assert set(result["evals"]["toolcalls"]["by_effort"]) == set(config["evals"]["toolcalls"]["efforts"])
         assert result["evals"]["agreement"]["top1_agreement"]["value"] < 1.0
     for a, b in config["compare"]["pairs"]:
-        pair = json.loads((workdir / f"results/compare/pairs/{a}_vs_{b}.json").read_text())
+        pair = json.loads((workdir / f"results/organism/compare/pairs/{a}_vs_{b}.json").read_text())
         assert (pair["a"], pair["b"], pair["side_a_is_reference"]) == (a, b, False)
         assert "verdict" not in pair["evals"]["mmlu"] and "agreement" not in pair["evals"]
 
@@ -452,7 +452,7 @@ def test_report_opens_in_a_browser_without_errors_with_a_row_per_build(workdir):
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     labels = [build["label"] for build in config["builds"].values()]
     screenshot = ROOT / "tests/artifacts/r013.png"
-    page = check_page(workdir / "report/r013.html", screenshot)
+    page = check_page(workdir / "report/organism/r013.html", screenshot)
     assert page.errors == []
     per_build = [t for t in page.tables if "per-build" in t["classes"].split()]
     assert len(per_build) >= 6, [t["heading"] for t in page.tables]
@@ -480,15 +480,15 @@ def test_report_escapes_labels_and_names_a_missing_build(workdir, tmp_path):
     config["title"] = "<i>R-013</i>"
     inputs = {key: workdir / path for key, path in report.input_files(config).items()}
     out = tmp_path / "escaped.html"
-    report.render(inputs, config, out, benchmark_dir=workdir / "benchmarks")
+    report.render(inputs, config, out, benchmark_dir=workdir / "benchmarks/organism")
     page = check_page(out, tmp_path / "escaped.png")
     assert page.errors == [] and page.scripts == 0
     assert markup in page.text and "<i>R-013</i>" in page.text
     assert "<b>TWX3</b>" not in out.read_text()
 
     config["builds"]["extra"] = {"label": "Extra"}
-    with pytest.raises(report.ReportError, match="results/builds/extra/manifest.json"):
-        report.render(inputs, config, tmp_path / "missing.html", benchmark_dir=workdir / "benchmarks")
+    with pytest.raises(report.ReportError, match="results/organism/builds/extra/manifest.json"):
+        report.render(inputs, config, tmp_path / "missing.html", benchmark_dir=workdir / "benchmarks/organism")
     assert not (tmp_path / "missing.html").exists()
 
 
@@ -502,23 +502,23 @@ def test_a_reference_at_chance_makes_every_mmlu_verdict_cannot_tell(workdir, tmp
     shutil.copytree(workdir, work, symlinks=True)
     config = yaml.safe_load((work / "config.yaml").read_text())
     reference = config["reference_build"]
-    records_file = work / f"results/evals/{reference}/mmlu.jsonl"
+    records_file = work / f"results/organism/evals/{reference}/mmlu.jsonl"
     rng = random.Random(0)
     records = [{**r, "correct": rng.random() < 0.25} for r in _lines(records_file)]
     records_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result_file = work / f"results/evals/{reference}/mmlu.json"
+    result_file = work / f"results/organism/evals/{reference}/mmlu.json"
     result = json.loads(result_file.read_text())
     right = sum(r["correct"] for r in records)
     result["metrics"]["accuracy"].update(value=right / len(records), count=right)
     result_file.write_text(json.dumps(result))
-    run = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/r013.html"], cwd=work,
+    run = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/organism/r013.html"], cwd=work,
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "rule compare" in run.stdout + run.stderr and "rule eval" not in run.stdout + run.stderr
     for build in config["builds"]:
         if build != reference:
-            mmlu = json.loads((work / f"results/compare/{build}.json").read_text())["evals"]["mmlu"]
+            mmlu = json.loads((work / f"results/organism/compare/{build}.json").read_text())["evals"]["mmlu"]
             assert mmlu["verdict"] == "cannot tell" and "is not above chance (25.0%)" in mmlu["verdict_reason"]
-    html = (work / "report/r013.html").read_text()
+    html = (work / "report/organism/r013.html").read_text()
     assert "cannot tell: the reference&#39;s accuracy" in html or "cannot tell: the reference's accuracy" in html
     assert "the data cannot tell whether it passes the pass mark" in html
