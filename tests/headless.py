@@ -6,6 +6,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -19,7 +20,11 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 TABLES_JS = """JSON.stringify({
   tables: [...document.querySelectorAll('table')].map(t => ({
     id: t.closest('section, div, body').id || '', classes: t.className,
-    heading: (() => { let e = t.previousElementSibling; while (e && !/^H[1-6]$/.test(e.tagName)) e = e.previousElementSibling; return e ? e.textContent : ''; })(),
+    heading: (() => {
+      let e = t.previousElementSibling;
+      while (e && !/^H[1-6]$/.test(e.tagName)) e = e.previousElementSibling;
+      return e ? e.textContent : '';
+    })(),
     rows: [...t.querySelectorAll('tbody tr')].map(r => r.cells[0].textContent.trim())})),
   scripts: document.querySelectorAll('script').length,
   text: document.body.innerText,
@@ -91,11 +96,12 @@ def check_page(html_file: Path, screenshot: Path, width: int = 1280, timeout: fl
     browser = browser_path()
     if browser is None:
         raise FileNotFoundError(f"no headless browser found (looked for {', '.join(BROWSERS)})")
-    with tempfile.TemporaryDirectory(prefix="moeshrink-chromium-") as profile:
+    # the browser's helper processes can still be writing to the profile as the folder is removed
+    with tempfile.TemporaryDirectory(prefix="moeshrink-chromium-", ignore_cleanup_errors=True) as profile:
         process = subprocess.Popen([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                                     "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
                                     f"--user-data-dir={profile}", "about:blank"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             port = _devtools_port(Path(profile) / "DevToolsActivePort", process, timeout)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
@@ -118,12 +124,27 @@ def check_page(html_file: Path, screenshot: Path, width: int = 1280, timeout: fl
                 return PageCheck(errors=tools.errors(), tables=state["tables"], scripts=state["scripts"],
                                  text=state["text"], svgs=state["svgs"])
         finally:
-            process.terminate()
+            _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """Stop the browser and every helper it started (its own session, so its process group)."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        deadline = time.time() + wait_s
+        while time.time() < deadline:  # helpers outlive the main process briefly
             try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
 
 def _devtools_port(port_file: Path, process: subprocess.Popen, timeout: float) -> int:

@@ -14,7 +14,8 @@ import yaml
 pytestmark = pytest.mark.slow
 
 
-def dry_run_jobs(work: Path, config: dict | None = None, target: str = "report/organism/r013.html") -> list[tuple[str, dict]]:
+def dry_run_jobs(work: Path, config: dict | None = None, target: str = "report/organism/r013.html") -> list[tuple[str,
+                                                                                                                  dict]]:
     """(rule, wildcards) of every job a dry run schedules, for config (or config.yaml as it is)."""
     args = [sys.executable, "-m", "snakemake", "-n", target]
     if config is not None:
@@ -172,7 +173,8 @@ def test_another_run_name_is_a_study_of_its_own(workdir):
     (workdir / "changed.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     foreign = subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/organism/r013.html", "--configfile",
                               "changed.yaml"], cwd=workdir, capture_output=True, text=True, timeout=600)
-    assert foreign.returncode != 0 and "No rule to produce report/organism/r013.html" in foreign.stderr, foreign.stderr[-2000:]
+    said = foreign.stdout + foreign.stderr
+    assert foreign.returncode != 0 and "No rule to produce report/organism/r013.html" in said, said[-2000:]
     assert dry_run_jobs(workdir) == []  # the first study is still complete
 
 
