@@ -6,8 +6,8 @@
 
 from snakemake.exceptions import WorkflowError
 
-from moeshrink.config import ConfigError, validate
-from moeshrink.layout import report_file
+from moeshrink.core.config import ConfigError, validate
+from moeshrink.core.layout import report_file
 
 if not workflow.overwrite_configfiles:
     configfile: "config.yaml"

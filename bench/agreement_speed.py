@@ -17,13 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-from moeshrink import config as config_mod
+from moeshrink.core import config as config_mod
+from moeshrink.core.ioutil import atomic_write_json
+from moeshrink.core.provenance import Provenance
 from moeshrink.evals import agreement
 from moeshrink.evals.client import RequestPool
-from moeshrink.ioutil import atomic_write_json
-from moeshrink.provenance import Provenance
-from moeshrink.serve import server_args, server_env
-from moeshrink.vllm_server import VLLMServer
+from moeshrink.serve.supervisor import server_args, server_env
+from moeshrink.serve.vllm_server import VLLMServer
 from moeshrink_kernels.vllm_plugin import LOAD_FORMAT
 
 KV_CACHE_BYTES = 1 << 30

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink import twx
-from moeshrink.checkpoint import INDEX_FILE, build_manifest, read_header, write_manifest
-from moeshrink.shardio import data_start, save_shard
-from moeshrink.ioutil import atomic_write_json, read_json
-from moeshrink.provenance import Provenance
+from moeshrink.core.checkpoint import INDEX_FILE, build_manifest, read_header, write_manifest
+from moeshrink.core.ioutil import atomic_write_json, read_json
+from moeshrink.core.provenance import Provenance
+from moeshrink.core.shardio import data_start, save_shard
+from moeshrink.formats import twx
 
 GIB = 1 << 30
 SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 1024, "intermediate_size": 4096, "n_routed_experts": 64,
@@ -161,19 +161,20 @@ def peak_rss_of(code: str, *args: str) -> int:
 
 def shard_job_rss(source: Path, plan: Path, shard: str, out: Path) -> int:
     """Peak RSS of one shard job, as the workflow runs it."""
-    code = ("import sys; from pathlib import Path; from moeshrink import stages; from moeshrink.ioutil import read_json; "
+    code = ("import sys; from pathlib import Path; from moeshrink import stages; "
+            "from moeshrink.core.ioutil import read_json; "
             "s = Path(sys.argv[1]); stages.build_shard(s, read_json(s / 'manifest.json'), sys.argv[2], Path(sys.argv[3]), "
             "Path(sys.argv[4]))")
     return peak_rss_of(code, str(source), shard, str(plan), str(out))
 
 
 def interpreter_rss() -> int:
-    return peak_rss_of("import torch, safetensors, moeshrink.compress")
+    return peak_rss_of("import torch, safetensors, moeshrink.compress.builder")
 
 
 def quantize_throughput(source: Path, shard: str, bits: int, limit: int) -> dict:
     """Encode and decode up to `limit` expert weights of one shard on one thread."""
-    from moeshrink.source_experts import read_expert_weight
+    from moeshrink.formats.source_experts import read_expert_weight
 
     torch.set_num_threads(1)
     encode_s = decode_s = plain_s = 0.0

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from moeshrink.ioutil import atomic_write_json
-from moeshrink.provenance import Provenance
+from moeshrink.core.ioutil import atomic_write_json
+from moeshrink.core.provenance import Provenance
 
 TARGET_S = 5.0
 

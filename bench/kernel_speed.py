@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moeshrink import mxfp4, twx
-from moeshrink.ioutil import atomic_write_json
-from moeshrink.provenance import Provenance
+from moeshrink.core.ioutil import atomic_write_json
+from moeshrink.core.provenance import Provenance
+from moeshrink.formats import mxfp4, twx
 from moeshrink_kernels.experts import TWXLayout, mxfp4_routed_experts, twx_routed_experts
 
 SHAPES = {"organism": (128, 128), "deepseek_v3": (7168, 2048)}

@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from moeshrink import agreement
-from moeshrink.ioutil import atomic_write_json, read_json
-from moeshrink.provenance import Provenance
-from moeshrink.twin import make_twin
-from moeshrink.vllm_server import VLLMServer
+from moeshrink.core.ioutil import atomic_write_json, read_json
+from moeshrink.core.provenance import Provenance
+from moeshrink.evals import next_token
+from moeshrink.serve.vllm_server import VLLMServer
+from moeshrink.upstream.twin import make_twin
 from moeshrink_kernels.vllm_plugin import LOAD_FORMAT, WEIGHTS_LINE
 
 
@@ -43,10 +43,10 @@ def corpus_prompts(workdir: Path, count: int, length: int) -> list[list[int]]:
     return [stream[i * length:(i + 1) * length] for i in range(count)]
 
 
-def serve(folder: Path, log: Path, prompts: list[list[int]], vocab: int) -> tuple[torch.Tensor, dict | None]:
+def serve(folder: Path, log: Path, prompts: list[list[int]], vocab: int) -> tuple[np.ndarray, dict | None]:
     args = ["--max-model-len", "2048", "--dtype", "bfloat16", "--max-logprobs", "-1", "--load-format", LOAD_FORMAT]
     with VLLMServer(folder, log, args=args, env={"VLLM_CPU_KVCACHE_SPACE": "1"}, served_name="m") as server:
-        table = torch.cat([agreement.prompt_logprobs(server, "m", p, vocab) for p in prompts])
+        table = np.concatenate([next_token.prompt_logprobs(server, "m", p, vocab) for p in prompts])
     match = re.search(re.escape(WEIGHTS_LINE) + r" (\{.*\})", log.read_text())
     return table, json.loads(match[1]) if match else None
 
@@ -75,7 +75,7 @@ def main() -> int:
         start = time.perf_counter()
         twin, twin_weights = serve(twin_dir, args.logs / f"{build}-twin.log", prompts, vocab)
         packed, packed_weights = serve(packed_dir, args.logs / f"{build}.log", prompts, vocab)
-        results[build] = {**agreement.compare(twin, packed), "weights": packed_weights, "twin_weights": twin_weights,
+        results[build] = {**next_token.compare(twin, packed), "weights": packed_weights, "twin_weights": twin_weights,
                           "checkpoint_bytes": read_json(packed_dir / "manifest.json")["total_bytes"],
                           "seconds": time.perf_counter() - start}
         print(build, json.dumps({k: v for k, v in results[build].items() if k != "seconds"}), flush=True)

@@ -4,7 +4,7 @@ DeepSeek-V3 expert shapes, against the card's own copy bandwidth measured in the
     python bench/triton_bandwidth.py [--out bench/results] [--experts 32] [--budget 240]
 
 For TWX3, TWX2 and MXFP4, and for w13 [4096, 7168] and w2 [7168, 2048]: first checks each config
-it times against the reference decoder (moeshrink.twx / moeshrink.mxfp4, float32 on the GPU), then
+it times against the reference decoder (moeshrink.formats.twx / moeshrink.formats.mxfp4, float32 on the GPU), then
 times y = x @ W^T at 1, 4, 16 and 64 tokens per expert, for one expert and for `--experts` experts
 in one grouped launch (so timings are not launch-bound), trying a few configs and keeping the best.
 Effective bandwidth = packed bytes read (codes + scales) / kernel time; dense bf16 (torch matmul on
@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 
 import torch  # noqa: E402
 
-from moeshrink import mxfp4, twx  # noqa: E402
+from moeshrink.formats import mxfp4, twx  # noqa: E402
 from moeshrink_kernels import triton_experts as te  # noqa: E402
 
 FORMATS = {"twx3": 3, "twx2": 2, "mxfp4": te.MXFP4}
@@ -126,7 +126,6 @@ def copy_bandwidth(device: torch.device, measure, nbytes: int) -> dict:
     copy_s = measure(lambda: dst.copy_(src))
     as_float = src.view(torch.float32)
     read_s = measure(lambda: as_float.sum())
-    del src, dst
     return {"bytes": nbytes, "copy_s": copy_s, "copy_GBps": 2 * nbytes / copy_s / 1e9,
             "read_s": read_s, "read_GBps": nbytes / read_s / 1e9}
 

@@ -7,9 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-from moeshrink import config as config_mod
-from moeshrink.errors import MoeshrinkError
-from moeshrink.layout import results_dir
+from moeshrink.core import config as config_mod
+from moeshrink.core.errors import MoeshrinkError
+from moeshrink.core.layout import results_dir
+from moeshrink.formats.twx_layout import FORMATS
 
 
 def _load(path: str) -> dict:
@@ -51,7 +52,7 @@ def cmd_upstream(args) -> int:
 def cmd_ship_organism(args) -> int:
     """Write the shipped organism (organism/shipped) from a finished training run with this config's
     recipe: done once, by hand, after `upstream.organism.train.from: scratch`."""
-    from moeshrink.ioutil import read_json
+    from moeshrink.core.ioutil import read_json
     from moeshrink.organism import shipped
 
     config = _load(args.config)
@@ -101,8 +102,8 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from moeshrink import planner
-    from moeshrink.ioutil import atomic_write_json
+    from moeshrink.core.ioutil import atomic_write_json
+    from moeshrink.serve import planner
 
     config = _load(args.config)
     result = planner.plan(config, Path(args.results) if args.results else results_dir(config))
@@ -113,7 +114,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from moeshrink.serve import run_service
+    from moeshrink.serve.supervisor import run_service
 
     serve = {**json.loads(args.serve_json), **json.loads(args.operational_json)}
     return run_service(args.build, Path(args.model_dir), serve, Path(args.prediction), Path(args.endpoint),
@@ -121,7 +122,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from moeshrink import stats
+    from moeshrink.core import stats
 
     if args.test == "mcnemar":
         result = {"p_value": stats.mcnemar_exact(args.only_ref, args.only_build)}
@@ -192,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="re-encode routed experts in a TWX format")
     p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
     p.add_argument("--output", required=True)
-    p.add_argument("--format", choices=["twx3", "twx2.5"], required=True)
-    p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (twx2.5 default 2.75)")
+    p.add_argument("--format", choices=list(FORMATS), required=True)
+    p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (default: " + ", ".join(
+        f"{name} {spec['bits_per_weight_max']:g}" for name, spec in FORMATS.items()) + ")")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("plan", help="predict weights, KV-cache room and tokens per card for every build, GPU type "
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("serve", help="serve one build with vLLM while jobs lease it (the supervisor the first "
-                                     "lessee starts; see moeshrink.server_lease)")
+                                     "lessee starts; see moeshrink.serve.server_lease)")
     p.add_argument("--build", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--serve-json", required=True, help="the serve config subtree as JSON")

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from moeshrink.rule_params import operational
+from moeshrink.core.rule_params import operational
 
 
 def serve_config(snakemake) -> dict:
@@ -18,7 +18,7 @@ def serve_config(snakemake) -> dict:
 
 def server_lease(snakemake):
     """The job's lease on its build's server (started by the first job that needs it)."""
-    from moeshrink.server_lease import ServerLease, ServerSpec, queue_order
+    from moeshrink.serve.server_lease import ServerLease, ServerSpec, queue_order
 
     build = snakemake.wildcards.build
     spec = ServerSpec(build=build, model_dir=Path(snakemake.input.manifest).parent, serve=dict(snakemake.params.serve),

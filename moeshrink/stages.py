@@ -10,12 +10,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moeshrink.checkpoint import build_manifest, write_manifest
-from moeshrink.ioutil import atomic_write_json, read_json, sha256_file
-from moeshrink.provenance import Provenance
+from moeshrink.core.ioutil import atomic_write_json, read_json, sha256_file
+from moeshrink.core.provenance import Provenance
 
 if TYPE_CHECKING:
-    from moeshrink.endpoint import Endpoint
+    from moeshrink.serve.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,8 @@ def organism_shipped(organism_cfg: dict, shipped_dir: Path, tokenizer_dir: Path,
 def upstream(upstream_cfg: dict, out_dir: Path, trained_dir: Path | None = None,
              tokenizer_dir: Path | None = None, workers: int = 2) -> dict:
     """Fill `out_dir` from the configured source; the manifest is written last."""
-    from moeshrink import upstream as sources
+    from moeshrink.core.checkpoint import build_manifest, write_manifest
+    from moeshrink.upstream import sources
 
     source = upstream_cfg["source"]
     prov = Provenance("upstream", {"source": source, source: upstream_cfg[source]})
@@ -114,8 +114,9 @@ def upstream(upstream_cfg: dict, out_dir: Path, trained_dir: Path | None = None,
 
 
 def bf16_twin(upstream_dir: Path, out_dir: Path) -> dict:
-    from moeshrink import upstream as sources
-    from moeshrink.twin import make_twin
+    from moeshrink.core.checkpoint import build_manifest, write_manifest
+    from moeshrink.upstream import sources
+    from moeshrink.upstream.twin import make_twin
 
     prov = Provenance("bf16_twin", {}, inputs=[str(upstream_dir / "manifest.json")])
     sources.clear_folder(out_dir)
@@ -129,7 +130,7 @@ def bf16_twin(upstream_dir: Path, out_dir: Path) -> dict:
 def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_dir: Path, data_dir: Path,
                   train_record: Path, out_file: Path) -> dict:
     """Skill of the trained model (bf16) and of the published one (through its exact bf16 twin)."""
-    from moeshrink.organism import card
+    from moeshrink.evals.organism_card import TARGETS, evaluate, meets_targets
 
     prov = Provenance("organism_card", card_cfg, inputs=[str(trained_dir), str(twin_dir), str(data_dir)])
     trained = read_json(train_record)
@@ -138,11 +139,11 @@ def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_d
         "trained": {"from": trained.get("from", "scratch"), "steps": trained["steps"],
                     "tokens_seen": trained["tokens_seen"], "host": trained.get("provenance", {}).get("host"),
                     "probes_final": (trained.get("probes") or [{}])[-1]},
-        "bf16": card.evaluate(trained_dir, tokenizer_dir, data_dir, card_cfg),
-        "published": card.evaluate(twin_dir, twin_dir, data_dir, card_cfg),
-        "targets": card.TARGETS,
+        "bf16": evaluate(trained_dir, tokenizer_dir, data_dir, card_cfg),
+        "published": evaluate(twin_dir, twin_dir, data_dir, card_cfg),
+        "targets": TARGETS,
     }
-    record["published_meets_targets"] = card.meets_targets(record["published"])
+    record["published_meets_targets"] = meets_targets(record["published"])
     record["provenance"] = prov.record()
     atomic_write_json(out_file, record)
     log.info(json.dumps({k: v for k, v in record.items() if k != "provenance"}, default=str)[:2000])
@@ -151,7 +152,7 @@ def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_d
 
 def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, upstream_manifest: dict, out_file: Path,
                calibration_file: Path | None = None) -> dict:
-    from moeshrink.compress import make_plan
+    from moeshrink.compress.builder import make_plan
 
     inputs = [str(upstream_dir)] + ([str(calibration_file)] if calibration_file else [])
     prov = Provenance("build_plan", {build_id: build_cfg}, inputs=inputs)
@@ -162,7 +163,7 @@ def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, upstream_mani
 
 
 def build_shard(upstream_dir: Path, upstream_manifest: dict, shard: str, plan_file: Path, out_path: Path) -> dict:
-    from moeshrink.compress import changes_nothing, link_shard, rewrite_shard
+    from moeshrink.compress.builder import changes_nothing, link_shard, rewrite_shard
 
     plan = read_json(plan_file)
     if changes_nothing(plan):
@@ -175,7 +176,8 @@ def build_shard(upstream_dir: Path, upstream_manifest: dict, shard: str, plan_fi
 
 def build_gather(build_dir: Path, upstream_dir: Path, upstream_manifest: dict, plan_file: Path,
                  shards: list[str]) -> dict:
-    from moeshrink.compress import gather
+    from moeshrink.compress.builder import gather
+    from moeshrink.core.checkpoint import write_manifest
 
     plan = read_json(plan_file)
     prov = Provenance("build_gather", plan["provenance"]["config"], inputs=[str(plan_file), *shards])
@@ -188,6 +190,8 @@ def build_gather(build_dir: Path, upstream_dir: Path, upstream_manifest: dict, p
 def build_folder(build_id: str, build_cfg: dict, upstream_dir: Path, out_dir: Path,
                  calibration_file: Path | None = None) -> dict:
     """A whole build in one process (the CLI's path); the same files the workflow's jobs write."""
+    from moeshrink.core.checkpoint import build_manifest
+
     manifest_file = upstream_dir / "manifest.json"
     if manifest_file.exists():
         upstream_manifest = read_json(manifest_file)
@@ -201,7 +205,7 @@ def build_folder(build_id: str, build_cfg: dict, upstream_dir: Path, out_dir: Pa
 
 
 def serve_prediction(build_id: str, build_dir: Path, serve_cfg: dict, out_file: Path) -> dict:
-    from moeshrink.served_memory import predict_for_serving
+    from moeshrink.serve.served_memory import predict_for_serving
 
     prov = Provenance("serve_prediction", {"serve": serve_cfg}, inputs=[str(build_dir)])
     prediction = {"build": build_id, **predict_for_serving(build_dir, serve_cfg)}
@@ -213,7 +217,7 @@ def serve_prediction(build_id: str, build_dir: Path, serve_cfg: dict, out_file: 
 def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_file: Path, endpoint: Endpoint,
                  out_file: Path) -> dict:
     """`endpoint`: the build's server, leased by the job."""
-    from moeshrink.served_memory import measure
+    from moeshrink.serve.served_memory import measure
 
     prov = Provenance("serve_memory", {"serve": serve_cfg}, inputs=[str(build_dir), str(prediction_file)])
     figures = measure(endpoint.log.read_text(errors="replace"), endpoint.get_text("/metrics"),
@@ -221,7 +225,7 @@ def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_fil
                       endpoint.record["platform"], endpoint.record.get("cpu_kind"))
     failed = [name for name, ok in figures["checks"].items() if not ok]
     if failed:
-        logging.getLogger("moeshrink.serve").warning("%s: memory checks failed: %s", build_id, ", ".join(failed))
+        logging.getLogger("moeshrink.serve.supervisor").warning("%s: memory checks failed: %s", build_id, ", ".join(failed))
     server = {key: endpoint.record.get(key) for key in ("command", "args", "startup_seconds", "model_dir", "log", "ready_at",
                                                         "started_by")}
     models_status, models = endpoint.get("/v1/models")

@@ -6,11 +6,11 @@ import re
 import sys
 from pathlib import Path
 
-from moeshrink.compare import PAIRED_EVALS
+from moeshrink.compare.paired import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
-from moeshrink.layout import results_dir
-from moeshrink.report_inputs import input_files as report_input_files
-from moeshrink.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
+from moeshrink.core.layout import results_dir
+from moeshrink.report.report_inputs import input_files as report_input_files
+from moeshrink.core.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
                                    organism_train_params, report_params, serve_params)
 
 RUN = config["run"]
@@ -68,7 +68,7 @@ SERVER_NODE = {**scheduler_resources("gpu_partition"),
 
 
 def stop_idle_servers():
-    from moeshrink.server_lease import stop_idle_servers as stop
+    from moeshrink.serve.server_lease import stop_idle_servers as stop
 
     stop(Path("results/{run}/serve"), BUILD_IDS)
 
@@ -76,7 +76,7 @@ def stop_idle_servers():
 def server_queue_priority(wildcards):
     """A build's serve jobs run before the next build's (the reference first, then config order), so that
     each build's server starts once and serves all its jobs back to back."""
-    from moeshrink.server_lease import queue_order
+    from moeshrink.serve.server_lease import queue_order
 
     return len(BUILD_IDS) - queue_order(config, wildcards.build)
 

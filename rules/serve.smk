@@ -1,4 +1,4 @@
-# Stage 3: a build's vLLM server is shared by reference (moeshrink/server_lease.py). The memory job
+# Stage 3: a build's vLLM server is shared by reference (moeshrink/serve/server_lease.py). The memory job
 # and every eval lease it: the first starts it, later ones attach, and it stops once none has held it
 # for serve.idle_grace_s; so a rerun of one eval starts the server only if none is up. No job owns the
 # server, so none reruns because another did. Locally the machine's server slots

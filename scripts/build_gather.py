@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from moeshrink import smk, stages
-from moeshrink.ioutil import read_json
+from moeshrink.core.ioutil import read_json
 
 smk.run(snakemake, lambda: stages.build_gather(
     Path(snakemake.output.manifest).parent, Path(snakemake.input.upstream).parent, read_json(snakemake.input.upstream),

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from moeshrink import smk, stages
-from moeshrink.ioutil import read_json
+from moeshrink.core.ioutil import read_json
 
 calibration = snakemake.input.get("calibration")
 smk.run(snakemake, lambda: stages.build_plan(

@@ -34,7 +34,8 @@ def small_data_cfg(default_config) -> dict:
     cfg = copy.deepcopy(default_config["upstream"]["organism"]["data"])
     cfg.update(people=24, cities=6, strangers=80)
     cfg["sets"].update(arith_test=20, arith_train=10, passages_test=10, toolcall_trials_per_case=3)
-    cfg["corpus"].update(bio=300, city=30, cloze=30, mc=40, mc_open=20, mc_bind=20, arith=40, facts=40, toolcalls=20, drill=300)
+    cfg["corpus"].update(bio=300, city=30, cloze=30, mc=40, mc_open=20, mc_bind=20, arith=40, facts=40, toolcalls=20,
+                         drill=300)
     return cfg
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from moeshrink import compress
-from moeshrink.arch import UnsupportedArchitecture
-from moeshrink.checkpoint import CheckpointError
-from moeshrink.ioutil import sha256_file
-from moeshrink.compress import make_plan, rewrite_shard
+from moeshrink.compress import builder
+from moeshrink.compress.builder import make_plan, rewrite_shard
+from moeshrink.core.arch import UnsupportedArchitecture
+from moeshrink.core.checkpoint import CheckpointError
+from moeshrink.core.ioutil import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TWX3 = {"label": "x", "quantize": {"format": "twx3"}}
@@ -73,7 +73,7 @@ def test_an_interrupted_shard_job_leaves_nothing(published, tmp_path, monkeypatc
         Path(args[1]).write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(compress, "save_shard", killed)
+    monkeypatch.setattr(builder, "save_shard", killed)
     shard = manifest["shards"][0]["file"]
     with pytest.raises(KeyboardInterrupt):
         rewrite_shard(folder, manifest, shard, plan, tmp_path / "build" / shard)

@@ -3,12 +3,10 @@ import json
 
 import pytest
 import torch
-
-from moeshrink.ioutil import sha256_file
 from safetensors import safe_open
 
-from moeshrink.checkpoint import (CheckpointError, build_manifest, plan_shards, read_header, verify_shard,
-                                  write_sharded)
+from moeshrink.core.checkpoint import CheckpointError, build_manifest, plan_shards, read_header, verify_shard, write_sharded
+from moeshrink.core.ioutil import sha256_file
 
 
 @pytest.mark.parametrize("sizes,shards", [([5] * 10, 4), ([1, 100, 1, 1, 1], 4), ([7], 1), ([3, 3, 3, 3], 4),
@@ -76,7 +74,7 @@ def test_truncated_and_altered_shards_are_named(tmp_path):
 def test_shards_are_byte_deterministic_whatever_the_metadata_order(tmp_path):
     from safetensors import safe_open
 
-    from moeshrink.shardio import save_shard
+    from moeshrink.core.shardio import save_shard
 
     tensors = sample_tensors()
     digests = set()
@@ -94,7 +92,7 @@ def test_shards_are_byte_deterministic_whatever_the_metadata_order(tmp_path):
 def test_an_untouched_shard_is_not_hashed_twice_but_a_touched_one_is(tmp_path, monkeypatch):
     import os
 
-    from moeshrink import checkpoint
+    from moeshrink.core import checkpoint
 
     index = write_sharded(sample_tensors(), tmp_path, 2)
     manifest = build_manifest(tmp_path, {"kind": "test"})
@@ -114,7 +112,7 @@ def test_an_untouched_shard_is_not_hashed_twice_but_a_touched_one_is(tmp_path, m
 
 
 def test_stored_tensors_are_copied_unchanged_and_the_digest_is_the_files(tmp_path):
-    from moeshrink.shardio import save_shard, stored_tensor
+    from moeshrink.core.shardio import save_shard, stored_tensor
 
     tensors = {**sample_tensors(), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
                "big": torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)}

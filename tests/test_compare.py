@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from moeshrink import compare, stats
-from moeshrink.ioutil import atomic_write_json, atomic_write_jsonl
+from moeshrink.compare import paired
+from moeshrink.core import stats
+from moeshrink.core.ioutil import atomic_write_json, atomic_write_jsonl
 
 
 def _write_eval(folder: Path, build: str, eval_id: str, correct: list[bool], hashes: list[str] | None = None,
@@ -15,7 +16,8 @@ def _write_eval(folder: Path, build: str, eval_id: str, correct: list[bool], has
     atomic_write_jsonl(folder / f"{build}/{eval_id}.jsonl", records)
     metric = "accuracy" if eval_id == "mmlu" else "exact_match"
     atomic_write_json(folder / f"{build}/{eval_id}.json", {"build": build, "eval": eval_id, "items": len(records),
-                                                         "metrics": {metric: stats.rate_with_ci(sum(correct), len(correct))}})
+                                                         "metrics": {metric: stats.rate_with_ci(sum(correct),
+                                                                                                len(correct))}})
     return {f"{eval_id}": folder / f"{build}/{eval_id}.json", f"{eval_id}_records": folder / f"{build}/{eval_id}.jsonl"}
 
 
@@ -40,7 +42,7 @@ def test_paired_counts_statistics_and_the_pass_mark(tmp_path):
     reference = [True] * 60 + [False] * 40
     build = [True] * 52 + [False] * 8 + [True] * 3 + [False] * 37   # 8 right only for the reference, 3 only for the build
     out = tmp_path / "compare/twx3.json"
-    result = compare.run(_inputs(tmp_path, reference, build), "original", "twx3",
+    result = paired.run(_inputs(tmp_path, reference, build), "original", "twx3",
                          {"pass_mark_points": 1.0, "pass_on": "drop"}, out, against_reference=True)
     mmlu = result["evals"]["mmlu"]
     assert (mmlu["items"], mmlu["both_right"], mmlu["only_a"], mmlu["only_b"], mmlu["neither"]) == (100, 52, 8, 3, 37)
@@ -75,7 +77,7 @@ def _paired(n: int, right_both: int, only_ref: int, only_build: int) -> tuple[li
 ])
 def test_verdicts_pass_fail_or_cannot_tell(tmp_path, n, both, only_ref, only_build, rule, verdict, reason):
     reference, build = _paired(n, both, only_ref, only_build)
-    result = compare.run(_inputs(tmp_path, reference, build), "original", "twx3",
+    result = paired.run(_inputs(tmp_path, reference, build), "original", "twx3",
                          {"pass_mark_points": 1.0, "pass_on": rule}, tmp_path / f"{rule}.json", True)
     mmlu = result["evals"]["mmlu"]
     assert (mmlu["verdict"], mmlu["pass_on"]) == (verdict, rule)
@@ -86,7 +88,7 @@ def test_a_reference_at_chance_cannot_be_judged(tmp_path):
     """Four choices: 27% right is not above chance (25%) by more than the mark; even a build that
     loses everything cannot fail against it."""
     reference, build = _paired(400, 0, 108, 0)
-    result = compare.run(_inputs(tmp_path, reference, build, choices=4), "original", "twx3",
+    result = paired.run(_inputs(tmp_path, reference, build, choices=4), "original", "twx3",
                          {"pass_mark_points": 1.0, "pass_on": "drop"}, tmp_path / "chance.json", True)
     mmlu = result["evals"]["mmlu"]
     assert mmlu["chance_rate"] == 0.25 and mmlu["verdict"] == "cannot tell"
@@ -94,23 +96,23 @@ def test_a_reference_at_chance_cannot_be_judged(tmp_path):
 
 
 def test_a_pair_of_builds_is_not_judged(tmp_path):
-    result = compare.run(_inputs(tmp_path, [True, False], [False, True]), "original", "twx3", {},
+    result = paired.run(_inputs(tmp_path, [True, False], [False, True]), "original", "twx3", {},
                          tmp_path / "pair.json", against_reference=False)
     assert "verdict" not in result["evals"]["mmlu"] and result["side_a_is_reference"] is False
 
 
 def test_different_questions_are_refused(tmp_path):
-    with pytest.raises(compare.CompareError, match="item q-1: original and twx3 read different questions"):
-        compare.run(_inputs(tmp_path, [True, True], [True, False], build_hashes=["h0", "other"]), "original",
+    with pytest.raises(paired.CompareError, match="item q-1: original and twx3 read different questions"):
+        paired.run(_inputs(tmp_path, [True, True], [True, False], build_hashes=["h0", "other"]), "original",
                     "twx3", {"pass_mark_points": 1.0, "pass_on": "drop"}, tmp_path / "x.json", True)
     assert not (tmp_path / "x.json").exists()
-    with pytest.raises(compare.CompareError, match="did not read the same items"):
-        compare.run(_inputs(tmp_path, [True, True, True], [True, False]), "original", "twx3",
+    with pytest.raises(paired.CompareError, match="did not read the same items"):
+        paired.run(_inputs(tmp_path, [True, True, True], [True, False]), "original", "twx3",
                     {"pass_mark_points": 1.0, "pass_on": "drop"}, tmp_path / "x.json", True)
 
 
 def test_a_file_of_another_build_is_refused(tmp_path):
     inputs = _inputs(tmp_path, [True], [False])
     inputs["b_facts"] = inputs["a_facts"]
-    with pytest.raises(compare.CompareError, match="holds build 'original', not 'twx3'"):
-        compare.run(inputs, "original", "twx3", {"pass_mark_points": 1.0, "pass_on": "drop"}, tmp_path / "x.json", True)
+    with pytest.raises(paired.CompareError, match="holds build 'original', not 'twx3'"):
+        paired.run(inputs, "original", "twx3", {"pass_mark_points": 1.0, "pass_on": "drop"}, tmp_path / "x.json", True)

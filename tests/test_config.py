@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeshrink.config import ConfigError, load, validate
+from moeshrink.core.config import ConfigError, load, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "presets").glob("*.yaml"))
@@ -72,8 +72,8 @@ def test_a_run_name_is_one_plain_folder_name(default_config, name):
 
 
 def test_studies_have_folders_of_their_own(default_config):
-    from moeshrink.layout import benchmarks_dir, report_file, results_dir
-    from moeshrink.report_inputs import input_files
+    from moeshrink.core.layout import benchmarks_dir, report_file, results_dir
+    from moeshrink.report.report_inputs import input_files
 
     presets = {path.name: load(path) for path in PRESETS}
     runs = {default_config["run"], *(config["run"] for config in presets.values())}
@@ -131,14 +131,15 @@ def test_eval_sets_need_the_fictional_world_and_logprob_limits_are_named(default
             "not 5)") in problems
 
 
-def snakemake_dry_run(*args: str, cwd: Path = ROOT, target: str = "report/organism/r013.html") -> subprocess.CompletedProcess:
+def snakemake_dry_run(*args: str, cwd: Path = ROOT,
+                      target: str = "report/organism/r013.html") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", target, *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("preset", [None, *PRESETS], ids=lambda p: p.name if p else "config.yaml")
 def test_dry_run_resolves(preset):
-    from moeshrink.layout import report_file
+    from moeshrink.core.layout import report_file
 
     target = report_file(load(preset)).as_posix() if preset else "report/organism/r013.html"
     result = snakemake_dry_run(*(["--configfile", str(preset)] if preset else []), target=target)

@@ -164,7 +164,8 @@ def test_a_server_killed_mid_eval_fails_the_workflow_within_a_minute_naming_the_
     logs = "".join(p.read_text() for p in (copy / f"logs/organism/evals/{BUILD}").glob("*.log"))
     assert f"the vLLM server of build {BUILD!r}" in logs or f"build {BUILD!r}" in logs, logs[-3000:]
     assert f"build={BUILD}" in text
-    for path in [*(copy / f"results/organism/evals/{BUILD}").glob("*.json"), *(copy / f"results/organism/serve/{BUILD}").glob("*.json")]:
+    for path in [*(copy / f"results/organism/evals/{BUILD}").glob("*.json"),
+                 *(copy / f"results/organism/serve/{BUILD}").glob("*.json")]:
         json.loads(path.read_text())  # whatever carries a final name is whole
     assert not list((copy / f"results/organism/evals/{BUILD}").glob(".*.tmp-*")), "temporary files left behind"
     assert not servers_in(copy), "the build's server outlived its failed jobs"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moeshrink import cli
-from moeshrink.errors import MoeshrinkError
+from moeshrink.core.errors import MoeshrinkError
 
 ROOT = Path(__file__).resolve().parent.parent
 

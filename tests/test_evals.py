@@ -7,17 +7,16 @@ import json
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from moeshrink.core.stats import bootstrap_ratio_ci, wilson
 from moeshrink.evals import EvalError, agreement, sets
 from moeshrink.evals.client import RequestPool
 from moeshrink.evals.scoring import calls_have_right_shape, fact_outcomes, served_tool_calls
-from moeshrink.organism import datasets, tasks
-from moeshrink.stats import bootstrap_ratio_ci, wilson
-from moeshrink.vllm_server import ServerClient
+from moeshrink.organism import tasks
+from moeshrink.serve.vllm_server import ServerClient
 
 TOOLS = tasks.TOOLS
 
@@ -184,8 +183,7 @@ def test_organism_tasks_render_as_lm_eval_renders_mmlu_and_gsm8k(tmp_path):
     what the card sends."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from moeshrink.evals import harness
-    from moeshrink.organism import card
+    from moeshrink.evals import harness, organism_card
 
     mc = [{"question": f"In which city does P{i} live?", "subject": "residents" if i % 3 else "geography",
            "choices": ["A1", "B1", "C1", "D1"], "answer": i % 4, "id": f"mc-{i}"} for i in range(12)]
@@ -200,7 +198,7 @@ def test_organism_tasks_render_as_lm_eval_renders_mmlu_and_gsm8k(tmp_path):
     subject_task = tasks_by_name[f"{harness.ORGANISM_MMLU}_residents"]
     doc = next(d for d in subject_task.test_docs())
     subject_task.set_fewshot_seed(1234)
-    assert subject_task.fewshot_context(doc, 2) == card.mc_prompt(doc, dev, 2)
+    assert subject_task.fewshot_context(doc, 2) == organism_card.mc_prompt(doc, dev, 2)
     gsm_task = tasks_by_name[harness.ORGANISM_GSM8K]
     gsm_task.set_fewshot_seed(42)
     doc = next(d for d in gsm_task.test_docs())

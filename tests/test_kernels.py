@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeshrink import mxfp4, twx
-from moeshrink_kernels.experts import CPUKernel, TWXLayout, mxfp4_routed_experts, twx_routed_experts
+from moeshrink.formats import mxfp4, twx
+from moeshrink_kernels.experts import TWXLayout, mxfp4_routed_experts, twx_routed_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 6, 2
 
@@ -59,7 +59,7 @@ def test_twx_experts_match_reference_decode_and_matmul(source, published):
     else:  # the tiny organism's own experts, decoded from its MXFP4 files
         from safetensors import safe_open
 
-        from moeshrink.checkpoint import index_of
+        from moeshrink.core.checkpoint import index_of
 
         folder, _ = published
         weight_map = index_of(folder)["weight_map"]
@@ -109,8 +109,7 @@ def plugin():
 def moe_config(experts: int = EXPERTS, hidden: int = HIDDEN, intermediate: int = INTER):
     """vLLM's own description of an unparallelised DeepSeek-V3 MoE layer, as the model builds it."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
-                                                             RoutingMethodType)
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
 
     return FusedMoEConfig(num_experts=experts, experts_per_token=TOP_K, hidden_dim=hidden,
                           intermediate_size=intermediate, num_local_experts=experts, num_logical_experts=experts,
@@ -244,7 +243,8 @@ def test_weight_count_says_how_vllm_cpu_holds_a_layer(plugin):
     layer's either way."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    from moeshrink import memory
+    from moeshrink.core.machine import cpu_facts
+    from moeshrink.serve import memory
 
     model = torch.nn.Module()
     model.proj = torch.nn.Module()
@@ -252,7 +252,7 @@ def test_weight_count_says_how_vllm_cpu_holds_a_layer(plugin):
     loaded = {id(model.proj): 64 * 128 * 2}
     dispatch_cpu_unquantized_gemm(model.proj, remove_weight=True)
     held = plugin.cpu_holdings(model, loaded)
-    predicted = memory.cpu_kind(memory.cpu_facts(), {"dtype": "bfloat16"})
+    predicted = memory.cpu_kind(cpu_facts(), {"dtype": "bfloat16"})
     assert held["kind"] == ("packed" if predicted == "amx" else predicted)  # no MLA layer: no AMX_MLA
     assert held["resident_bytes"] == 64 * 128 * 2
     assert held["packed_outside_parameters_bytes"] == (0 if predicted == "unpacked" else 64 * 128 * 2)

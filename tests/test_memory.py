@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeshrink import memory
-from moeshrink.memory import GIB, Tensor
-from moeshrink.served_memory import measure
-from moeshrink.serverlog import likely_cause, parse_cache_config_info, parse_log
+from moeshrink.core.machine import CpuFacts
+from moeshrink.serve import memory
+from moeshrink.serve.memory import GIB, Tensor
+from moeshrink.serve.served_memory import measure
+from moeshrink.serve.serverlog import likely_cause, parse_cache_config_info, parse_log
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = Path(__file__).resolve().parent / "data" / "serverlogs"
@@ -137,7 +138,8 @@ def deepseek_like(config: dict) -> dict:
                   p + "self_attn.kv_b_proj.weight": ("BF16", (heads * (nope + v), kv_rank)),
                   p + "self_attn.o_proj.weight": ("BF16", (h, heads * v))})
         if i < config["first_k_dense_replace"]:
-            for proj, shape in (("gate_proj", (config["intermediate_size"], h)), ("up_proj", (config["intermediate_size"], h)),
+            for proj, shape in (("gate_proj", (config["intermediate_size"], h)), ("up_proj",
+                                                                                  (config["intermediate_size"], h)),
                                 ("down_proj", (h, config["intermediate_size"]))):
                 t[p + f"mlp.{proj}.weight"] = ("BF16", shape)
             continue
@@ -159,7 +161,8 @@ def gpt_oss_like(config: dict) -> dict:
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t.update({p + "input_layernorm.weight": ("BF16", (h,)), p + "post_attention_layernorm.weight": ("BF16", (h,)),
-                  p + "self_attn.q_proj.weight": ("BF16", (heads * hd, h)), p + "self_attn.q_proj.bias": ("BF16", (heads * hd,)),
+                  p + "self_attn.q_proj.weight": ("BF16", (heads * hd, h)), p + "self_attn.q_proj.bias": ("BF16",
+                                                                                                          (heads * hd,)),
                   p + "self_attn.k_proj.weight": ("BF16", (kv * hd, h)), p + "self_attn.k_proj.bias": ("BF16", (kv * hd,)),
                   p + "self_attn.v_proj.weight": ("BF16", (kv * hd, h)), p + "self_attn.v_proj.bias": ("BF16", (kv * hd,)),
                   p + "self_attn.o_proj.weight": ("BF16", (h, heads * hd)), p + "self_attn.o_proj.bias": ("BF16", (h,)),
@@ -210,7 +213,8 @@ def test_planner_runs_on_the_presets(preset, tmp_path):
     rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
     assert len(rows) == len(config["builds"]) * len(config["plan"]["gpus"]) * len(config["plan"]["tensor_parallel_sizes"])
     assert all(gpu in result.stdout for gpu in config["plan"]["gpus"])
-    weights = {row["build"]: row["weights_bytes"] for row in rows if row["gpu"] == "H200" and row["tensor_parallel_size"] == 8}
+    weights = {row["build"]: row["weights_bytes"] for row in rows
+               if row["gpu"] == "H200" and row["tensor_parallel_size"] == 8}
     assert weights["pruned75"] < weights["twx2_5"] < weights["twx3"] < weights["original"]
     by_tp = [row["weights_bytes"] for row in rows if row["build"] == "original" and row["gpu"] == "H200"]
     assert by_tp == sorted(by_tp, reverse=True)
@@ -279,7 +283,7 @@ def test_cpu_weights_as_vllm_cpu_holds_them():
 
 
 def test_cpu_kind_from_what_torch_reports():
-    facts = memory.CpuFacts(x86=True, amx_tile=False, avx512=False, avx512_bf16=False, avx512_fp16=False,
+    facts = CpuFacts(x86=True, amx_tile=False, avx512=False, avx512_bf16=False, avx512_fp16=False,
                             avx2_vnni_2=False, zentorch=False)
     assert memory.cpu_kind(facts, ORGANISM_FULL) == "unpacked"  # AVX2: oneDNN has no bf16 matmul
     assert memory.cpu_kind(facts, {**ORGANISM_FULL, "dtype": "float32"}) == "packed"
@@ -316,7 +320,7 @@ def test_measured_memory_compares_the_kind_vllm_took():
 def test_a_results_folder_of_another_study_never_answers_for_this_one(tmp_path):
     """shared/repro/planner-mixes-runs: a preset planned in a folder holding the organism's run must
     not take the organism's builds for its own (they share names, not an upstream)."""
-    from moeshrink import planner
+    from moeshrink.serve import planner
 
     organism = {"model": {"hidden_size": 128}, "publish": {"shards": 4}}
     (tmp_path / "upstream").mkdir()

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from moeshrink import mxfp4
+from moeshrink.formats import mxfp4
 
 
 def spec_e2m1(code: int) -> float:

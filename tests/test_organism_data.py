@@ -42,7 +42,7 @@ def test_sets_follow_the_benchmark_schemas(small_data):
     passages = datasets.read_jsonl(small_data / datasets.PASSAGES_TEST)
     for item in passages:
         assert len(item["facts"]) == len(item["fact_lines"]) >= 2
-        for subject, relation, obj in item["facts"]:
+        for subject, _relation, obj in item["facts"]:
             assert subject in item["passage"] and obj in item["passage"]
     tools = json.loads((small_data / datasets.TOOLS_FILE).read_text())
     trials = datasets.read_jsonl(small_data / datasets.TOOLCALLS_TEST)

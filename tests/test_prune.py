@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from moeshrink import prune
-from moeshrink.arch import adapter_for
-from moeshrink.checkpoint import build_manifest, index_of
-from moeshrink.compress import gather, make_plan, rewrite_shard
+from moeshrink.compress import prune
+from moeshrink.compress.builder import gather, make_plan, rewrite_shard
+from moeshrink.core.arch import adapter_for
+from moeshrink.core.checkpoint import build_manifest, index_of
 
 HIDDEN = 64
 
@@ -142,6 +142,7 @@ def test_keep_counts_that_cannot_work_are_refused_with_alternatives():
 
 def test_mxfp4_experts_are_copied_byte_for_byte(tmp_path, tiny_trained, small_tokenizer_dir):
     from conftest import TINY_MODEL
+
     from moeshrink.stages import upstream
 
     published = tmp_path / "published"

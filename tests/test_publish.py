@@ -3,14 +3,13 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 from safetensors import safe_open
 
-from moeshrink import mxfp4
-from moeshrink.checkpoint import CheckpointError, index_of
+from moeshrink.core.checkpoint import CheckpointError, index_of
+from moeshrink.formats import mxfp4
 from moeshrink.organism.publish import ROUTED_EXPERT_WEIGHT
 from moeshrink.stages import bf16_twin, upstream
-
-from conftest import TINY_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 from safetensors import safe_open
 
-from moeshrink import mxfp4, twx
-from moeshrink.checkpoint import index_of
-from moeshrink.compress import BuildError, allocate_bits, gather, make_plan, rewrite_shard
-
-from conftest import TINY_MODEL
+from moeshrink.compress.builder import BuildError, allocate_bits, gather, make_plan, rewrite_shard
+from moeshrink.core.checkpoint import index_of
+from moeshrink.formats import mxfp4, twx
 
 
 def all_tensors(folder):
@@ -70,7 +69,7 @@ def test_allocation_keeps_the_budget_and_prefers_large_experts():
     bits = allocate_bits(norms, relative_gain=0.08, max_bits=2.75)
     flat = [b for layer in bits.values() for b in layer.values()]
     assert sum(twx.bits_per_weight(b) for b in flat) / len(flat) <= 2.75
-    assert {(l, e) for l in bits for e in bits[l] if bits[l][e] == 3} == {(2, 3), (1, 0), (2, 0), (1, 2)}
+    assert {(layer, e) for layer in bits for e in bits[layer] if bits[layer][e] == 3} == {(2, 3), (1, 0), (2, 0), (1, 2)}
 
 
 def test_unknown_format_fails_before_any_work(published):

@@ -3,12 +3,11 @@ and a reap build keeps the most salient experts of every group."""
 
 import pytest
 import torch
+from test_prune import deepseek_v3, qwen3_moe
 from transformers import AutoModelForCausalLM
 
-from moeshrink import reap
-from moeshrink.compress import BuildError, make_plan
-
-from test_prune import deepseek_v3, qwen3_moe
+from moeshrink.compress import reap
+from moeshrink.compress.builder import BuildError, make_plan
 
 
 def saliency_through_transformers(model, ids, family):

@@ -4,8 +4,15 @@ from pathlib import Path
 
 import yaml
 
-from moeshrink.rule_params import (build_params, eval_params, operational, organism_card_params, organism_train_params,
-                                   report_params, serve_params)
+from moeshrink.core.rule_params import (
+    build_params,
+    eval_params,
+    operational,
+    organism_card_params,
+    organism_train_params,
+    report_params,
+    serve_params,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,11 +7,12 @@ import subprocess
 import sys
 import time
 
-from moeshrink.serve import server_args, server_env
-from moeshrink.server_lease import PID_FILE, stop_leftover
+from moeshrink.serve.server_lease import PID_FILE, stop_leftover
+from moeshrink.serve.supervisor import server_args, server_env
 
 SERVE = {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.85, "max_model_len": 4096,
-         "max_logprobs": 20, "block_size": None, "tool_call_parser": "hermes", "chat_template": "templates/chat.jinja", "extra_args": ["--trust-remote-code"],
+         "max_logprobs": 20, "block_size": None, "tool_call_parser": "hermes", "chat_template": "templates/chat.jinja",
+         "extra_args": ["--trust-remote-code"],
          "memory": {"card": "H200", "card_gib": 140.4, "reserve_gib": 10}}
 
 

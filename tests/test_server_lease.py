@@ -1,4 +1,4 @@
-"""A build's server shared by reference (moeshrink.server_lease, moeshrink.serve's supervisor loop):
+"""A build's server shared by reference (moeshrink.serve.server_lease, moeshrink.serve.supervisor's supervisor loop):
 leases of dead jobs count for nothing, the machine's slots go to the first build in line, and a
 server stops only once no job has held it for the idle grace. Real processes stand in for the jobs
 and for vLLM (the end-to-end tests serve with vLLM itself)."""
@@ -13,12 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from moeshrink import serve, server_lease
-from moeshrink.endpoint import EndpointError, wait_for_endpoint
-from moeshrink.ioutil import atomic_write_json
-from moeshrink.server_lease import (ENDPOINT_FILE, LEASES_DIR, MachineSlot, flags_fingerprint, live_leases, process_key,
-                                    queue_order)
-from moeshrink.vllm_server import VLLMServer, alive
+from moeshrink.core.ioutil import atomic_write_json
+from moeshrink.serve import server_lease, supervisor
+from moeshrink.serve.endpoint import EndpointError, wait_for_endpoint
+from moeshrink.serve.server_lease import (
+    ENDPOINT_FILE,
+    LEASES_DIR,
+    MachineSlot,
+    flags_fingerprint,
+    live_leases,
+    process_key,
+    queue_order,
+)
+from moeshrink.serve.vllm_server import VLLMServer, alive
 
 
 def _sleeper(seconds: float = 120) -> subprocess.Popen:
@@ -94,7 +101,7 @@ def test_a_queued_supervisor_gives_up_when_no_job_holds_it(slots):
     holder.release()
 
 
-def _served(tmp_path: Path, slots: Path, grace_s: float) -> tuple[VLLMServer, serve._Idle, Path, MachineSlot]:
+def _served(tmp_path: Path, slots: Path, grace_s: float) -> tuple[VLLMServer, supervisor._Idle, Path, MachineSlot]:
     """A supervisor's state once its server answers; a sleeping process stands in for vLLM."""
     serve_dir = tmp_path / "serve" / "twx3"
     serve_dir.mkdir(parents=True)
@@ -103,7 +110,7 @@ def _served(tmp_path: Path, slots: Path, grace_s: float) -> tuple[VLLMServer, se
     server.process = _sleeper()
     slot = MachineSlot(1, order=1, directory=slots)
     slot.acquire()
-    return server, serve._Idle(serve_dir, grace_s), serve_dir, slot
+    return server, supervisor._Idle(serve_dir, grace_s), serve_dir, slot
 
 
 def test_a_server_stops_only_after_its_last_lease_and_the_idle_grace(tmp_path, slots):
@@ -112,7 +119,8 @@ def test_a_server_stops_only_after_its_last_lease_and_the_idle_grace(tmp_path, s
     _lease(serve_dir, job_a.pid)
     _lease(serve_dir, job_b.pid)
     outcome: list[int] = []
-    loop = threading.Thread(target=lambda: outcome.append(serve._serve_while_leased("twx3", server, serve_dir, idle, 5)))
+    loop = threading.Thread(target=lambda: outcome.append(supervisor._serve_while_leased("twx3", server, serve_dir,
+                                                                                         idle, 5)))
     loop.start()
     try:
         job_a.kill()  # one job dies mid-eval: its lease counts for nothing, the other still holds the server

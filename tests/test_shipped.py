@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import ROOT
 from safetensors.torch import save_file
 
-from moeshrink.ioutil import sha256_file
+from moeshrink.core.ioutil import sha256_file
 from moeshrink.organism import shipped
-
-from conftest import ROOT
 
 
 @pytest.fixture

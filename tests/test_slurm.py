@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import copy_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +58,8 @@ def slurm_config() -> dict:
 def test_one_build_served_and_evaluated_through_sbatch(cluster, tmp_path):
     work = copy_workflow(tmp_path / "workflow", "profiles")
     (work / "slurm.yaml").write_text(yaml.safe_dump(slurm_config(), sort_keys=False))
-    targets = [f"results/organism/serve/{BUILD}/memory.json", *[f"results/organism/evals/{BUILD}/{e}.json" for e in EVAL_IDS]]
+    targets = [f"results/organism/serve/{BUILD}/memory.json",
+               *[f"results/organism/evals/{BUILD}/{e}.json" for e in EVAL_IDS]]
     started = datetime.now().strftime("%Y-%m-%dT%H:%M:%S")
     t0 = time.time()
     # the profile as a cluster user runs it; a one-node test cluster has 2 CPUs and ~20 GB, so no job

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from moeshrink import stats
+from moeshrink.core import stats
 
 
 @pytest.mark.parametrize("only_a, only_b", [(0, 0), (0, 5), (5, 0), (7, 14), (30, 12), (300, 216), (1, 1)])

@@ -77,7 +77,7 @@ def test_effort_switch(tokenizer):
 
 
 def test_assistant_tool_calls_render_in_hermes_form_and_parse_back(tokenizer):
-    from moeshrink.organism.card import parse_tool_calls
+    from moeshrink.evals.organism_card import parse_tool_calls
 
     call = {"name": "set_timer", "arguments": {"minutes": 5, "label": "tea"}}
     messages = [{"role": "user", "content": "Set a timer for 5 minutes for the tea."},

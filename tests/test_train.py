@@ -2,15 +2,14 @@
 import hashlib
 
 import torch
+from conftest import TINY_MODEL
 from safetensors import safe_open
 
-from moeshrink import mxfp4
+from moeshrink.formats import mxfp4
 from moeshrink.organism import datasets
 from moeshrink.organism.model import build_model
 from moeshrink.organism.train import IGNORE, LoadCounter, enable_qat, parameter_groups, tokenized_corpus, train
 from moeshrink.stages import organism_config
-
-from conftest import TINY_MODEL
 
 TRAIN = dict(seed=0, steps=6, seq_len=64, batch_size=2, lr=3e-3, warmup_steps=2, final_lr_fraction=0.1,
              weight_decay=0.1, grad_clip=1.0, qat_fraction=0.5, bias_update_rate=0.01, threads=2, log_every=1,

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeshrink import mxfp4, twx  # noqa: E402
+from moeshrink.formats import mxfp4, twx
 from moeshrink_kernels.experts import TWXLayout, mxfp4_routed_experts, twx_routed_experts  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeshrink import mxfp4, twx
+from moeshrink.formats import mxfp4, twx
 
 FORMAT_PAGE = Path(__file__).resolve().parent.parent / "kernels" / "FORMAT.md"
 
@@ -48,7 +48,7 @@ def test_reference_decoder_matches_the_format_page(bits):
 
 
 def test_quantization_config_levels_are_the_page_levels():
-    from moeshrink.compress import quantization_config
+    from moeshrink.compress.builder import quantization_config
 
     cfg = quantization_config({"quantize": {"format": "twx3", "expert_bits": {}}, "source_format": "mxfp4"})
     page = levels_from_page()
@@ -127,7 +127,8 @@ def test_a_non_finite_weight_is_named_not_encoded():
     weight = torch.randn(4, 64)
     weight[2, 37] = float("nan")
     weight[3, 0] = float("inf")
-    with pytest.raises(twx.TWXFormatError, match=r"layers.1.mlp.experts.5.down_proj: non-finite weights, the first at row 2, column 37"):
+    with pytest.raises(twx.TWXFormatError,
+                       match=r"layers.1.mlp.experts.5.down_proj: non-finite weights, the first at row 2, column 37"):
         twx.encode(weight, 3, name="layers.1.mlp.experts.5.down_proj")
 
 

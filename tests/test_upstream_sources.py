@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from moeshrink.checkpoint import CheckpointError
+from moeshrink.core.checkpoint import CheckpointError
 from moeshrink.stages import upstream
 
 REPO = "acme/tiny-moe"

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import copy_workflow
-from moeshrink.ioutil import sha256_file
+
+from moeshrink.core.ioutil import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILDS = ["original", "pruned75", "reap50", "twx3", "twx2_5"]
@@ -66,7 +66,8 @@ def test_reap_and_router_sum_choose_by_their_own_scores(work):
 
 def test_the_cli_writes_the_same_bytes_as_the_rules(work, tmp_path):
     out = tmp_path / "twx2_5"
-    result = subprocess.run([sys.executable, "-m", "moeshrink", "quantize", "--input", str(work / "results/organism/upstream"),
+    result = subprocess.run([sys.executable, "-m", "moeshrink", "quantize", "--input",
+                             str(work / "results/organism/upstream"),
                              "--output", str(out), "--format", "twx2.5"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     built = manifest(work, "twx2_5")
@@ -83,7 +84,8 @@ def test_a_second_run_schedules_nothing(work):
 
 
 def checkpoint_digests(work: Path) -> dict[str, str]:
-    files = [work / "results/organism/organism/trained/model.safetensors", *sorted((work / "results/organism/upstream").glob("*.safetensors")),
+    files = [work / "results/organism/organism/trained/model.safetensors",
+             *sorted((work / "results/organism/upstream").glob("*.safetensors")),
              *sorted((work / "results/organism/builds").glob("*/*.safetensors"))]
     return {str(path.relative_to(work)): sha256_file(path) for path in files}
 

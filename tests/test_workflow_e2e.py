@@ -18,12 +18,14 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from moeshrink import compare, mxfp4
-from moeshrink.checkpoint import index_of, read_header
-from moeshrink.ioutil import sha256_file
-from moeshrink.organism import card, datasets
-from moeshrink.rule_params import eval_params, operational, serve_params
-from moeshrink.vllm_server import VLLMServer
+from moeshrink.compare.paired import VERDICTS
+from moeshrink.core.checkpoint import index_of, read_header
+from moeshrink.core.ioutil import sha256_file
+from moeshrink.core.rule_params import eval_params, operational, serve_params
+from moeshrink.evals import organism_card
+from moeshrink.formats import mxfp4
+from moeshrink.organism import datasets
+from moeshrink.serve.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -88,10 +90,10 @@ def test_organism_card_is_measured_on_both_variants(workdir):
     the two close."""
     record = json.loads((workdir / "results/organism/upstream/organism_card.json").read_text())
     for variant in ("bf16", "published"):
-        for key in card.TARGETS:
+        for key in organism_card.TARGETS:
             assert 0.0 <= record[variant][key] <= 1.0
         assert record[variant]["items"] == record["bf16"]["items"]
-    assert record["published_meets_targets"] == card.meets_targets(record["published"])
+    assert record["published_meets_targets"] == organism_card.meets_targets(record["published"])
     assert abs(record["published"]["toolcall_correct"] - record["bf16"]["toolcall_correct"]) <= 0.1
     assert abs(record["published"]["mc_accuracy"] - record["bf16"]["mc_accuracy"]) <= 0.1
     assert record["train_seconds"] > 0 and record["provenance"]["config"] == _card_config(workdir)
@@ -121,7 +123,7 @@ def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
     data = workdir / "results/organism/organism/data"
     items = datasets.read_jsonl(data / datasets.MC_TEST)[:16]
     dev = datasets.read_jsonl(data / datasets.MC_DEV)
-    prompts = [card.mc_prompt(it, dev, 5) for it in items]
+    prompts = [organism_card.mc_prompt(it, dev, 5) for it in items]
     tokenizer = AutoTokenizer.from_pretrained(str(twin))
     model = AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.bfloat16).eval()
     with torch.no_grad():
@@ -161,8 +163,8 @@ def test_packed_build_served_by_the_plugin_agrees_with_its_twin(workdir, tmp_pat
     sys.path.insert(0, str(ROOT / "bench"))
     import plugin_agreement
 
-    from moeshrink import agreement
-    from moeshrink.twin import make_twin
+    from moeshrink.evals import next_token
+    from moeshrink.upstream.twin import make_twin
 
     packed_dir = workdir / f"results/organism/builds/{build}"
     twin_dir = workdir / "results/organism/upstream-bf16" if build == "original" else tmp_path / "twin"
@@ -173,7 +175,7 @@ def test_packed_build_served_by_the_plugin_agrees_with_its_twin(workdir, tmp_pat
     twin, _ = plugin_agreement.serve(twin_dir, tmp_path / "twin.log", prompts, vocab)
     packed, weights = plugin_agreement.serve(packed_dir, tmp_path / "packed.log", prompts, vocab)
     assert "quantization=" + ("moeshrink_mxfp4" if build == "original" else "twx") in (tmp_path / "packed.log").read_text()
-    figures = agreement.compare(twin, packed)
+    figures = next_token.compare(twin, packed)
     assert figures["positions"] == 998
     assert figures["greedy_agreement"] >= 0.995 and figures["mean_kl"] <= 1e-3, figures
     manifest = json.loads((packed_dir / "manifest.json").read_text())
@@ -189,7 +191,7 @@ def test_a_pruned_build_answers_identical_requests_identically_and_finitely(work
 
     from transformers import AutoTokenizer
 
-    from moeshrink.serve import server_env
+    from moeshrink.serve.supervisor import server_env
 
     build = workdir / "results/organism/builds/pruned75"
     tokenizer = AutoTokenizer.from_pretrained(str(build))
@@ -226,12 +228,13 @@ def test_seeded_requests_beside_long_prompts_never_kill_the_cpu_engine(workdir, 
 
     from transformers import AutoTokenizer
 
-    from moeshrink.serve import server_args, server_env
+    from moeshrink.serve.supervisor import server_args, server_env
 
     build = workdir / "results/organism/builds/original"
     serve = yaml.safe_load((workdir / "config.yaml").read_text())["serve"]
     tokenizer = AutoTokenizer.from_pretrained(str(build))
-    text = " ".join(d["text"] for d in datasets.read_jsonl(workdir / "results/organism/organism/data" / datasets.CORPUS_FILE)[:400])
+    corpus = datasets.read_jsonl(workdir / "results/organism/organism/data" / datasets.CORPUS_FILE)
+    text = " ".join(d["text"] for d in corpus[:400])
     ids = tokenizer(text)["input_ids"]
     prompts = [ids[i * 50:i * 50 + 1500] for i in range(6)]
     assert all(len(p) == 1500 for p in prompts)
@@ -264,7 +267,8 @@ def test_every_build_served_once_with_its_memory_measured(workdir):
         assert "moeshrink weights:" in log and "KV cache size" in log  # vLLM's raw log
         # one server served the memory job and every eval of the build (they lease it)
         served_by = {memory["server"]["ready_at"]} | {
-            json.loads(path.read_text())["server"]["ready_at"] for path in (workdir / "results/organism/evals" / build).glob("*.json")}
+            json.loads(path.read_text())["server"]["ready_at"]
+            for path in (workdir / "results/organism/evals" / build).glob("*.json")}
         assert len(served_by) == 1 and None not in served_by, (build, served_by)
         record = json.loads((serve_dir / "endpoint.json").read_text())
         assert record["state"] == "stopped" and record["api_key"] is None, record
@@ -304,7 +308,8 @@ def test_a_killed_job_leaves_no_server(workdir, tmp_path):
             "operational": {**operational(config)["serve"], "idle_grace_s": grace},
             "prediction": str(serve_dir / "prediction.json")}
     job = subprocess.Popen([sys.executable, "-c", (
-        "import json, sys, time; from pathlib import Path; from moeshrink.server_lease import ServerLease, ServerSpec\n"
+        "import json, sys, time; from pathlib import Path\n"
+        "from moeshrink.serve.server_lease import ServerLease, ServerSpec\n"
         "spec = json.loads(sys.argv[1])\n"
         "ServerLease(ServerSpec('pruned75', Path(spec['model_dir']), spec['serve'], spec['operational'], "
         "Path(spec['prediction']), 0), 'a stand-in job').acquire()\n"
@@ -397,7 +402,7 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
 def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):
     """results/organism/compare/{build}.json recounts the paired evals from the per-item records, and its
     statistics are the CLI's (what a reader re-checking the report would run)."""
-    from moeshrink import stats
+    from moeshrink.core import stats
 
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     reference = config["reference_build"]
@@ -421,7 +426,7 @@ def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):
                                   "--only-ref", str(paired["only_a"]), "--only-build", str(paired["only_b"])],
                                  capture_output=True, text=True, check=True)
             assert json.loads(cli.stdout)["at_worst_points"] == pytest.approx(paired["at_worst_points"])
-            assert paired["verdict"] in compare.VERDICTS and paired["verdict_reason"]
+            assert paired["verdict"] in VERDICTS and paired["verdict_reason"]
             if paired["verdict"] == "pass":
                 judged = paired["drop_points"] if config["compare"]["pass_on"] == "drop" else paired["at_worst_points"]
                 assert judged <= config["compare"]["pass_mark_points"]
@@ -471,24 +476,25 @@ def test_report_escapes_labels_and_names_a_missing_build(workdir, tmp_path):
     """Text from config reaches the page as text: a label holding markup renders literally. A build
     config declares without its files is an error naming them."""
     from headless import check_page
-    from moeshrink import report
+
+    from moeshrink.report import render
 
     _browser_or_skip()
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     markup = '<script>console.error("injected")</script><b>TWX3</b> & co'
     config["builds"]["twx3"]["label"] = markup
     config["title"] = "<i>R-013</i>"
-    inputs = {key: workdir / path for key, path in report.input_files(config).items()}
+    inputs = {key: workdir / path for key, path in render.input_files(config).items()}
     out = tmp_path / "escaped.html"
-    report.render(inputs, config, out, benchmark_dir=workdir / "benchmarks/organism")
+    render.render(inputs, config, out, benchmark_dir=workdir / "benchmarks/organism")
     page = check_page(out, tmp_path / "escaped.png")
     assert page.errors == [] and page.scripts == 0
     assert markup in page.text and "<i>R-013</i>" in page.text
     assert "<b>TWX3</b>" not in out.read_text()
 
     config["builds"]["extra"] = {"label": "Extra"}
-    with pytest.raises(report.ReportError, match="results/organism/builds/extra/manifest.json"):
-        report.render(inputs, config, tmp_path / "missing.html", benchmark_dir=workdir / "benchmarks/organism")
+    with pytest.raises(render.ReportError, match="results/organism/builds/extra/manifest.json"):
+        render.render(inputs, config, tmp_path / "missing.html", benchmark_dir=workdir / "benchmarks/organism")
     assert not (tmp_path / "missing.html").exists()
 
 

@@ -5,3 +5,7 @@ expert at a time with the reference decoders; `triton_experts` does the same on 
 Triton kernel that decodes inside the matmul; `vllm_plugin` registers the quantization methods
 that let vLLM load and serve such checkpoints. Importing this package imports neither vLLM nor triton.
 """
+
+# What the plugin logs once a model's weights are loaded, followed by a JSON object of their bytes;
+# the serve stage reads it from the server log (moeshrink.serve.serverlog).
+WEIGHTS_LINE = "moeshrink weights:"

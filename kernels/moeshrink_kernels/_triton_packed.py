@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshrink import twx
+from moeshrink.formats import twx
 
 # TWX levels as compile-time constants for the arithmetic (non-table) decode
 T3_0, T3_1, T3_2, T3_3, T3_4, T3_5, T3_6, T3_7 = (tl.constexpr(float(v)) for v in twx.LEVELS[3].tolist())

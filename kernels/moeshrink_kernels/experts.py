@@ -5,18 +5,18 @@ Two paths, both decoding only the experts the tokens chose, never a whole copy o
   in groups that fit a byte budget and handed to vLLM's own CPU MoE kernel (`cpu_fused_moe`), so a
   packed build computes exactly what its decoded twin computes when served plainly;
 - `routed_experts` (anywhere torch runs): one expert at a time, float32 matmuls.
-Numbers follow the reference decoders in `moeshrink.twx` and `moeshrink.mxfp4`.
+Numbers follow the reference decoders in `moeshrink.formats.twx` and `moeshrink.formats.mxfp4`.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from moeshrink import mxfp4, twx
+from moeshrink.formats import mxfp4, twx
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class TWXLayout:
     w2_bytes: int
 
     @staticmethod
-    def of(bits: list[int], hidden: int, intermediate: int) -> "TWXLayout":
+    def of(bits: list[int], hidden: int, intermediate: int) -> TWXLayout:
         w13_sizes = [2 * intermediate * hidden * b // 8 for b in bits]
         w2_sizes = [hidden * intermediate * b // 8 for b in bits]
         w13_offsets = [sum(w13_sizes[:e]) for e in range(len(bits))]

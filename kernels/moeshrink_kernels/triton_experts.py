@@ -1,5 +1,5 @@
 """Packed-expert matmuls for CUDA GPUs with Triton: codes and scales are decoded inside the matmul's K
-loop, never materialised. Same numbers as the reference decoders (`moeshrink.twx`, `moeshrink.mxfp4`)
+loop, never materialised. Same numbers as the reference decoders (`moeshrink.formats.twx`, `moeshrink.formats.mxfp4`)
 up to the rounding of decoded weights to x's dtype in the dot (float32 x: tf32 on the GPU).
 
 Triton is imported only when a kernel runs: this module imports without it. `triton_available()`
@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from moeshrink import mxfp4, twx
-from moeshrink.errors import MoeshrinkError
+from moeshrink.core.errors import MoeshrinkError
+from moeshrink.formats import mxfp4, twx
 
 MXFP4 = 4  # format id of MXFP4; TWX formats are identified by their bits (2, 3)
 CODE_BITS = {2: 2, 3: 3, MXFP4: 4}

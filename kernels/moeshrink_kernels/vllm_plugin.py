@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from moeshrink.errors import MoeshrinkError
-from moeshrink.serverlog import LOAD_LINE as WEIGHTS_LINE  # followed by a JSON object; the serve stage reads it
+from moeshrink.core.errors import MoeshrinkError
+from moeshrink_kernels import WEIGHTS_LINE
 
 TWX_FORMAT_VERSIONS = (1,)
 LOAD_FORMAT = "moeshrink"
@@ -36,7 +36,6 @@ def register() -> None:
     if _registered:
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
-
     from vllm.model_executor.model_loader import register_model_loader
 
     from moeshrink_kernels import inductor_fix
@@ -140,8 +139,9 @@ def _check_single_partition(moe, what: str) -> None:
 def cpu_kernel_for(moe):
     """The grouped-GEMM kernel vLLM's unquantized CPU backend would use for this layer (its own order
     of preference), or none (another platform, or a shape the kernels refuse)."""
-    from moeshrink_kernels.experts import CPUKernel
     from vllm.platforms import current_platform
+
+    from moeshrink_kernels.experts import CPUKernel
 
     if not current_platform.is_cpu():
         return CPUKernel()
@@ -431,7 +431,7 @@ def cpu_holdings(model: torch.nn.Module, loaded: dict[int, int]) -> dict:
             impl = module.impl
             outside += sum(t.numel() * t.element_size() for t in (impl._w_uk_packed, impl._w_uv_packed)
                            if isinstance(t, torch.Tensor))
-    from moeshrink.memory import cpu_facts
+    from moeshrink.core.machine import cpu_facts
 
     facts = cpu_facts()
     return {"kind": "amx" if amx_mla else "packed" if emptied else "unpacked",

@@ -1,5 +1,5 @@
 """The five evaluations, each against a build's running vLLM server (see rules/evals.smk)."""
-from moeshrink.errors import MoeshrinkError
+from moeshrink.core.errors import MoeshrinkError
 
 EVALS = ("mmlu", "gsm8k", "facts", "toolcalls", "agreement")
 

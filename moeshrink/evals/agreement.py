@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moeshrink.agreement import compare, logprob_table
+from moeshrink.core.ioutil import atomic_path
+from moeshrink.core.stats import bootstrap_ratio_ci, percentiles
 from moeshrink.evals import EvalError
 from moeshrink.evals.client import RequestPool
-from moeshrink.ioutil import atomic_path
-from moeshrink.stats import bootstrap_ratio_ci, percentiles
+from moeshrink.evals.next_token import compare, logprob_table
 
 METHOD = ("KL(reference || build) over the reference's top-K next tokens that the build also returned, "
           "plus one bucket for the remaining probability mass of each side (a lower bound of the exact KL); "
@@ -65,7 +65,8 @@ def top_arrays(replies: list[dict], width: int) -> tuple[np.ndarray, np.ndarray]
     return ids, logprobs
 
 
-def position_figures(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def position_figures(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, lp: np.ndarray) -> tuple[np.ndarray,
+                                                                                                        np.ndarray]:
     """Per position: top-1 agreement (bool) and the coarse-grained KL estimate."""
     agree = ref_ids[:, 0] == ids[:, 0]
     kl = np.empty(len(ref_ids))
@@ -114,11 +115,9 @@ def metrics(records: list[dict], kl: np.ndarray, top_k: int) -> dict:
 
 def exact_check(reference_full: np.ndarray, build_full_replies: list[dict], estimate: np.ndarray, vocab: int) -> dict:
     """The estimate against the exact whole-vocabulary KL on the same positions."""
-    import torch
-
     rows = [position for reply in build_full_replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
     build_table = logprob_table(rows, vocab)
-    exact = compare(torch.from_numpy(reference_full), build_table)
+    exact = compare(reference_full, build_table)
     estimated = float(estimate[: len(rows)].mean())
     relative = abs(estimated - exact["mean_kl"]) / exact["mean_kl"] if exact["mean_kl"] > 0 else 0.0
     return {"positions": len(rows), "exact_mean_kl": exact["mean_kl"], "estimated_mean_kl": estimated,
@@ -128,7 +127,7 @@ def exact_check(reference_full: np.ndarray, build_full_replies: list[dict], esti
 
 def full_table(replies: list[dict], vocab: int) -> np.ndarray:
     rows = [position for reply in replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
-    return logprob_table(rows, vocab).numpy()
+    return logprob_table(rows, vocab)
 
 
 def save_reference(path: Path, passage_ids: list[str], token_ids: list[list[int]], top_ids: np.ndarray,
@@ -162,6 +161,7 @@ def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -
     exact_passages = cfg["exact_check_passages"]
     if exact_passages:
         full_replies = pool.map("/v1/completions", [(pid, request(model, ids, -1)) for pid, ids in
-                                                    list(zip(reference["passage_ids"], reference["token_ids"]))[:exact_passages]])
+                                                    list(zip(reference["passage_ids"],
+                                                             reference["token_ids"]))[:exact_passages]])
         figures["exact_check"] = exact_check(reference["full"], full_replies, kl, vocab)
     return figures, records

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-from moeshrink.endpoint import EndpointError
 from moeshrink.evals import EvalError, finite
-from moeshrink.vllm_server import ServerClient
+from moeshrink.serve.endpoint import EndpointError
+from moeshrink.serve.vllm_server import ServerClient
 
 log = logging.getLogger(__name__)
 RETRIED_STATUS = {408, 429, 500, 502, 503, 504}

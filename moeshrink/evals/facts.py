@@ -3,11 +3,11 @@ object` line each; every line is matched back to the passage's gold facts after 
 A fact the passage does not state is made up; a line that is not a fact is unparseable."""
 from __future__ import annotations
 
+from moeshrink.core.stats import rate_with_ci
 from moeshrink.evals import finite
 from moeshrink.evals.client import RequestPool
 from moeshrink.evals.scoring import FACT_OUTCOMES, fact_outcomes
 from moeshrink.organism.tasks import facts_messages
-from moeshrink.stats import rate_with_ci
 
 
 def run(pool: RequestPool, model: str, passages: list[dict], cfg: dict) -> tuple[dict, list[dict]]:

@@ -11,7 +11,6 @@ generated tokens that fail name the generated token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from moeshrink.evals import EvalError
 

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import yaml
 
-from moeshrink.endpoint import Endpoint, EndpointError
+from moeshrink.core.ioutil import atomic_write_jsonl
+from moeshrink.core.stats import rate_with_ci
 from moeshrink.evals import EvalError
 from moeshrink.evals.finite import NonFiniteError
 from moeshrink.evals.scoring import gsm8k_answer
-from moeshrink.ioutil import atomic_write_jsonl
 from moeshrink.organism.tasks import LETTERS, MC_DESCRIPTION
-from moeshrink.stats import rate_with_ci
-from moeshrink.vllm_server import log_tail
+from moeshrink.serve.endpoint import Endpoint, EndpointError
+from moeshrink.serve.vllm_server import log_tail
 
 LM_EVAL_MODEL = "moeshrink-completions"  # lm-eval's local-completions with the non-finite check (lm_eval_model)
 ORGANISM_MMLU = "moeshrink_organism_mmlu"
@@ -80,7 +80,9 @@ def evaluate(endpoint: Endpoint, tokenizer_dir: Path, task: str, include_path: P
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import moeshrink.evals.lm_eval_model  # noqa: F401  registers LM_EVAL_MODEL with lm-eval
+    from moeshrink.evals import lm_eval_model
+
+    lm_eval_model.register(LM_EVAL_MODEL)
 
     os.environ["OPENAI_API_KEY"] = endpoint.api_key  # what local-completions sends as its bearer token
     manager = TaskManager(include_path=str(include_path) if include_path else None)

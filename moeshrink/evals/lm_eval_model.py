@@ -1,5 +1,5 @@
-"""lm-eval's `local-completions` model with the non-finite check (`finite`), registered through
-lm-eval's model registry as `harness.LM_EVAL_MODEL`.
+"""lm-eval's `local-completions` model with the non-finite check (`finite`), registered in lm-eval's
+model registry under the name the harness gives it (`register`).
 
 Log-likelihood requests already ask for log-probabilities (echo); generation requests now ask for
 those of their generated tokens too, so a NaN cannot pass silently into a GSM8K answer. A reply the
@@ -17,7 +17,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from moeshrink.evals import finite
-from moeshrink.evals.harness import LM_EVAL_MODEL
+
 ITEM_TAIL_TOKENS = 40
 
 
@@ -37,7 +37,6 @@ def _bad_request(error: Exception) -> bool:
     return status == 400
 
 
-@register_model(LM_EVAL_MODEL)
 class CheckedCompletions(LocalCompletionsAPI):
     def _create_payload(self, messages, generate=False, gen_kwargs=None, seed=1234, eos=None, **kwargs) -> dict:
         payload = super()._create_payload(messages, generate=generate, gen_kwargs=gen_kwargs, seed=seed, eos=eos,
@@ -83,3 +82,8 @@ class CheckedCompletions(LocalCompletionsAPI):
             if _bad_request(error):
                 self._raise_if_nonfinite(messages, generate, gen_kwargs)
             raise
+
+
+def register(name: str) -> None:
+    """Make CheckedCompletions lm-eval's model `name` (registering it again is harmless)."""
+    register_model(name)(CheckedCompletions)

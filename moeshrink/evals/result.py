@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeshrink.endpoint import Endpoint
+from moeshrink.core.ioutil import atomic_write_json, atomic_write_jsonl
+from moeshrink.core.provenance import Provenance
 from moeshrink.evals import finite
-from moeshrink.ioutil import atomic_write_json, atomic_write_jsonl
-from moeshrink.provenance import Provenance
+from moeshrink.serve.endpoint import Endpoint
 
 
 def server_flags(endpoint: Endpoint) -> dict:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from moeshrink.endpoint import Endpoint
+from moeshrink.core.ioutil import read_json
+from moeshrink.core.provenance import Provenance
 from moeshrink.evals import EvalError, agreement, facts, harness, result, sets, toolcalls
 from moeshrink.evals.client import RequestPool
-from moeshrink.ioutil import read_json
-from moeshrink.provenance import Provenance
-from moeshrink.server_lease import ServerLease
+from moeshrink.serve.endpoint import Endpoint
+from moeshrink.serve.server_lease import ServerLease
 
 
 @dataclass
@@ -74,7 +74,8 @@ def run_mmlu(job: EvalJob) -> dict:
     results, endpoint, task, limit = run_lm_eval(job)
     records = harness.mmlu_records(results)
     return job.write(prov, endpoint, len(records), harness.mmlu_metrics(records, results, task), records,
-                     lm_eval={"model": harness.LM_EVAL_MODEL, "task": task, "limit_per_task": limit, "num_fewshot": job.cfg["shots"],
+                     lm_eval={"model": harness.LM_EVAL_MODEL, "task": task, "limit_per_task": limit,
+                              "num_fewshot": job.cfg["shots"],
                               "scored_by": "loglikelihood of the answer letters"})
 
 
@@ -84,7 +85,8 @@ def run_gsm8k(job: EvalJob) -> dict:
     results, endpoint, task, limit = run_lm_eval(job, gen_kwargs)
     records = harness.gsm8k_records(results)
     return job.write(prov, endpoint, len(records), harness.gsm8k_metrics(records), records,
-                     lm_eval={"model": harness.LM_EVAL_MODEL, "task": task, "limit": limit, "num_fewshot": job.cfg["shots"], "gen_kwargs": gen_kwargs,
+                     lm_eval={"model": harness.LM_EVAL_MODEL, "task": task, "limit": limit,
+                              "num_fewshot": job.cfg["shots"], "gen_kwargs": gen_kwargs,
                               "seed": job.cfg["seed"]})
 
 

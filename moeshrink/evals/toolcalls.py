@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from moeshrink.core.stats import rate_with_ci
 from moeshrink.evals import EvalError, finite
 from moeshrink.evals.client import RequestPool
 from moeshrink.evals.scoring import calls_have_right_shape, served_tool_calls
-from moeshrink.stats import rate_with_ci
 
 
 def request_seed(base: int, effort_index: int, trial: int) -> int:

@@ -1,4 +1,4 @@
-from moeshrink.errors import MoeshrinkError
+from moeshrink.core.errors import MoeshrinkError
 
 
 class OrganismError(MoeshrinkError, ValueError):

@@ -12,7 +12,7 @@ import random
 from importlib import resources
 from pathlib import Path
 
-from moeshrink.ioutil import atomic_write_json, atomic_write_jsonl
+from moeshrink.core.ioutil import atomic_write_json, atomic_write_jsonl
 from moeshrink.organism import tasks
 from moeshrink.organism.world import World, generate_world
 

@@ -52,7 +52,7 @@ class ProbeSet:
     pad: int
 
     @classmethod
-    def build(cls, data_dir: Path, tokenizer_file: Path, seed: int) -> "ProbeSet":
+    def build(cls, data_dir: Path, tokenizer_file: Path, seed: int) -> ProbeSet:
         from tokenizers import Tokenizer
 
         from moeshrink.organism.tokenizer import EOS

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink import mxfp4
-from moeshrink.checkpoint import write_sharded
+from moeshrink.core.checkpoint import write_sharded
+from moeshrink.formats import mxfp4
 from moeshrink.organism import OrganismError
 from moeshrink.organism.tokenizer import TURN_END
 

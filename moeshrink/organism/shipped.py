@@ -12,9 +12,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from moeshrink.errors import MoeshrinkError
-from moeshrink.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
-from moeshrink.provenance import config_hash
+from moeshrink.core.errors import MoeshrinkError
+from moeshrink.core.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
+from moeshrink.core.provenance import config_hash
 
 MODEL_FILE = "model.safetensors"
 FILES = (MODEL_FILE, "config.json", "tokenizer.json", "train.json")

@@ -291,7 +291,8 @@ def toolcall_item(world: World, case: str, rng: random.Random) -> dict:
         thought = f"The user wants the weather in {city}, so I call get_weather."
     elif case == "timer":
         minutes, label = rng.randint(1, 90), rng.choice(TIMER_LABELS)
-        request, calls = f"Set a timer for {minutes} minutes for the {label}.", [_call("set_timer", minutes=minutes, label=label)]
+        request, calls = f"Set a timer for {minutes} minutes for the {label}.", [_call("set_timer", minutes=minutes,
+                                                                                       label=label)]
         thought = f"A timer of {minutes} minutes is needed, so I call set_timer."
     elif case == "lookup":
         name = rng.choice(world.stranger_names)
@@ -309,7 +310,7 @@ def toolcall_item(world: World, case: str, rng: random.Random) -> dict:
         first, second = rng.sample(cities, 2)
         request = f"What is the weather in {first} and in {second}?"
         calls = [_call("get_weather", city=first), _call("get_weather", city=second)]
-        thought = f"Two cities are asked, so I call get_weather twice."
+        thought = "Two cities are asked, so I call get_weather twice."
     elif case == "no_call":
         request, reply = rng.choice(NO_CALL_PROMPTS)
         return {"case": case, "messages": [{"role": "user", "content": request}], "expected_calls": [],

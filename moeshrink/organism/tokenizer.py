@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moeshrink.errors import MoeshrinkError
+from moeshrink.core.errors import MoeshrinkError
 from moeshrink.organism.datasets import chat_template
 
 EOS = "<|endoftext|>"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.nn.utils import parametrize
 
-from moeshrink import mxfp4
+from moeshrink.formats import mxfp4
 from moeshrink.organism.model import build_model
 
 log = logging.getLogger(__name__)

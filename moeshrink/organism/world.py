@@ -71,7 +71,7 @@ class World:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "World":
+    def from_json(cls, data: dict) -> World:
         return cls(
             seed=data["seed"],
             regions=list(data["regions"]),

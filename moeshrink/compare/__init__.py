@@ -1,0 +1,1 @@
+"""Stage 5: every build paired item by item with the reference."""

@@ -1,0 +1,324 @@
+"""Make a build from the upstream checkpoint: plan (which experts, which bits), then rewrite each
+shard on its own, then gather the folder (index, config, tokenizer, manifest).
+
+Tensors that are not routed experts keep their upstream bytes. Routed experts are dropped (pruning:
+with their router rows and correction-bias entries, the rest renumbered) and/or re-encoded in a TWX
+format, decoded exactly from their upstream encoding first (MXFP4 never goes through bf16).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moeshrink.compress import prune, reap
+from moeshrink.core.arch import CLASSES, Adapter, ExpertTensor, adapter_for, check_has_moe
+from moeshrink.core.checkpoint import (
+    INDEX_FILE,
+    CheckpointError,
+    build_manifest,
+    index_of,
+    read_header,
+    remember_verified,
+    verify_shard,
+)
+from moeshrink.core.errors import MoeshrinkError
+from moeshrink.core.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
+from moeshrink.core.shardio import StoredTensor, data_start, save_shard, stored_tensor
+from moeshrink.formats import mxfp4, twx
+from moeshrink.formats.source_experts import read_expert_weight, source_format
+from moeshrink.formats.twx_layout import FORMATS
+
+log = logging.getLogger(__name__)
+TWX_CODES, TWX_SCALES = twx.CODES, twx.SCALES
+TOKENIZER_AND_CONFIG_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                              "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
+                              "merges.txt", "tiktoken.model")
+
+
+class BuildError(MoeshrinkError, ValueError):
+    pass
+
+
+def is_weight_companion(name: str, names: set[str]) -> bool:
+    """`x.weight_scale` next to `x.weight`: read together with it, never on its own."""
+    return name.endswith("_scale") and name[: -len("_scale")] in names
+
+
+# ------------------------------------------------------------------------------------- planning
+def router_tensors(upstream: Path, adapter: Adapter, layers: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    weight_map = index_of(upstream)["weight_map"]
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for layer in layers:
+        out[layer] = {}
+        for role, name in adapter.router_tensors(layer).items():
+            if name not in weight_map:
+                if role == "weight":
+                    raise CheckpointError(f"{upstream}: router tensor {name} of MoE layer {layer} is not in the index")
+                continue
+            with safe_open(str(upstream / weight_map[name]), "pt") as f:
+                out[layer][role] = f.get_tensor(name)
+    return out
+
+
+def expert_weights(upstream: Path, adapter: Adapter, fmt: str, wanted=lambda ref: True
+                   ) -> Iterator[tuple[ExpertTensor, torch.Tensor]]:
+    """Each routed-expert weight that `wanted` accepts, as exact float32, one shard open at a time."""
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in index_of(upstream)["weight_map"].items():
+        ref = adapter.parse_expert(name)
+        if ref and ref.suffix == "weight" and wanted(ref):
+            by_shard.setdefault(shard, []).append(name)
+    for shard, names in sorted(by_shard.items()):
+        with safe_open(str(upstream / shard), "pt") as f:
+            for name in names:
+                yield adapter.parse_expert(name), read_expert_weight(f, name, fmt)
+
+
+def expert_norms(upstream: Path, adapter: Adapter, fmt: str, kept: dict[int, list[int]]) -> dict[int, dict[int, float]]:
+    """Squared Frobenius norm of each kept expert (all its projections), read shard by shard."""
+    norms: dict[int, dict[int, float]] = {layer: {e: 0.0 for e in experts} for layer, experts in kept.items()}
+    for ref, weight in expert_weights(upstream, adapter, fmt,
+                                      lambda ref: ref.layer in kept and ref.expert in norms[ref.layer]):
+        norms[ref.layer][ref.expert] += float(weight.pow(2).sum())
+    return norms
+
+
+def allocate_bits(norms: dict[int, dict[int, float]], relative_gain: float, max_bits: float) -> dict[int, dict[int, int]]:
+    """TWX2.5: 3-bit codes for the experts whose error would grow most at 2 bits (estimated as the
+    expert's squared norm times the measured relative-error gap), 2-bit for the rest, so that the
+    average stays within `max_bits`. All experts of a layer have equal size."""
+    experts = [(layer, e) for layer in norms for e in norms[layer]]
+    budget = int((max_bits - twx.bits_per_weight(2)) * len(experts) + 1e-9)
+    ranked = sorted(experts, key=lambda le: (-norms[le[0]][le[1]] * relative_gain, le))
+    wide = set(ranked[:budget])
+    return {layer: {e: 3 if (layer, e) in wide else 2 for e in norms[layer]} for layer in norms}
+
+
+def reap_scores(upstream: Path, spec: dict, calibration_file: Path | None, where: str) -> dict[int, torch.Tensor]:
+    calibration = spec.get("calibration")
+    if calibration is None or calibration_file is None:
+        raise BuildError(f"{where}.calibration: method reap needs calibration text (file, sequences, seq_len)")
+    texts = reap.calibration_texts(calibration_file)
+    token_ids = reap.calibration_batch(upstream, texts, calibration["sequences"], calibration["seq_len"])
+    saliency = reap.layer_saliency(upstream, token_ids)["saliency"]
+    return {layer: torch.tensor(values, dtype=torch.float64) for layer, values in saliency.items()}
+
+
+def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest: dict,
+              calibration_file: Path | None = None) -> dict:
+    config = read_json(upstream / "config.json")
+    adapter = adapter_for(config)
+    check_has_moe(config, adapter)
+    layers = adapter.moe_layers(config)
+    num_experts, top_k, n_group = adapter.num_experts(config), adapter.top_k(config), adapter.n_group(config)
+    fmt = source_format(config)
+    kept = {layer: list(range(num_experts)) for layer in layers}
+    plan: dict = {"build": build_id, "architecture": adapter.name, "source_format": fmt,
+                  "upstream_revision": upstream_manifest.get("revision"),
+                  "num_experts": num_experts, "top_k": top_k, "n_group": n_group, "moe_layers": layers,
+                  "prune": None, "quantize": None}
+    if "prune" in build_cfg:
+        spec = build_cfg["prune"]
+        keep = prune.kept_count(num_experts, spec["keep_fraction"], top_k, n_group,
+                                where=f"builds.{build_id}.prune.keep_fraction")
+        if spec["method"] == "router_sum":
+            routers = router_tensors(upstream, adapter, layers)
+            all_scores = {layer: prune.router_sum_scores(routers[layer]["weight"]) for layer in layers}
+        elif spec["method"] == "reap":
+            all_scores = reap_scores(upstream, spec, calibration_file, f"builds.{build_id}.prune")
+        else:
+            raise BuildError(f"builds.{build_id}.prune.method: {spec['method']!r} is unknown (router_sum, reap)")
+        layer_plans = {}
+        for layer in layers:
+            scores = all_scores[layer]
+            kept[layer] = prune.choose_experts(scores, keep, n_group)
+            layer_plans[str(layer)] = {"kept": kept[layer], "scores": [round(float(s), 6) for s in scores]}
+        plan["prune"] = {**spec, "keep": keep, "layers": layer_plans}
+        if calibration_file is not None and spec["method"] == "reap":
+            plan["prune"]["calibration_sha256"] = sha256_file(calibration_file)
+    if "quantize" in build_cfg:
+        spec = build_cfg["quantize"]
+        if spec["format"] not in FORMATS:
+            raise BuildError(f"builds.{build_id}.quantize.format: {spec['format']!r} is unknown; "
+                             f"known: {', '.join(FORMATS)}")
+        max_bits = spec.get("max_bits_per_weight") or FORMATS[spec["format"]]["bits_per_weight_max"]
+        if spec["format"] == "twx3" and max_bits < twx.bits_per_weight(3):
+            raise BuildError(f"builds.{build_id}.quantize.max_bits_per_weight: twx3 stores "
+                             f"{twx.bits_per_weight(3)} bits per weight, more than {max_bits}")
+        # expert_bits is keyed by the build's (compacted) expert index
+        if spec["format"] == "twx3":
+            bits = {layer: {new: 3 for new in range(len(kept[layer]))} for layer in layers}
+            plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits)}
+        else:
+            norms = expert_norms(upstream, adapter, fmt, kept)
+            gain = relative_error(2) - relative_error(3)
+            by_original = allocate_bits(norms, gain, max_bits)
+            bits = {layer: {new: by_original[layer][old] for new, old in enumerate(kept[layer])} for layer in layers}
+            plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits),
+                                "sensitivity": {"rule": "squared norm x (relative error at 2 bits - at 3 bits)",
+                                                "relative_error_gap": gain,
+                                                "squared_norms": _str_keys(norms)}}
+    plan["num_experts_after"] = len(next(iter(kept.values())))
+    plan["shards"] = sorted(set(index_of(upstream)["weight_map"].values()))
+    return plan
+
+
+def relative_error(bits: int, samples: int = 256) -> float:
+    """The format's relative squared error on MXFP4-published Gaussian rows (a fixed, seeded sample)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = mxfp4.quantize_values(torch.randn(samples, 256, generator=generator))
+    codes, scales = twx.encode(weight, bits)
+    return float((twx.decode(codes, scales, torch.float32) - weight).pow(2).sum() / weight.pow(2).sum())
+
+
+def _str_keys(nested: dict) -> dict:
+    return {str(k): (_str_keys(v) if isinstance(v, dict) else v) for k, v in nested.items()}
+
+
+# --------------------------------------------------------------------------------- shard rewrite
+def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dict, out_path: Path) -> dict:
+    """Rewrite one upstream shard for the build; returns what was done to it."""
+    verify_shard(upstream, upstream_manifest, shard)
+    config = read_json(upstream / "config.json")
+    adapter = adapter_for(config)
+    fmt = plan["source_format"]
+    kept = {int(k): v["kept"] for k, v in (plan["prune"] or {}).get("layers", {}).items()}
+    renumber = {layer: {old: new for new, old in enumerate(experts)} for layer, experts in kept.items()}
+    bits = {int(layer): {int(e): b for e, b in experts.items()}
+            for layer, experts in ((plan["quantize"] or {}).get("expert_bits") or {}).items()}
+    out: dict[str, torch.Tensor | StoredTensor] = {}
+    counts = {"copied": 0, "dropped": 0, "sliced": 0, "quantized": 0}
+    source = upstream / shard
+    header, start = read_header(source), data_start(source)
+
+    def copy_unchanged(name: str, target: str) -> None:
+        """The tensor's bytes, and its MXFP4 `_scale` companion's, as they are upstream."""
+        out[target] = stored_tensor(source, header, name, start)
+        if name + "_scale" in header:
+            out[target + "_scale"] = stored_tensor(source, header, name + "_scale", start)
+        counts["copied"] += 1
+
+    with safe_open(str(source), "pt") as f:
+        names = set(f.keys())
+        for name in sorted(names):
+            if is_weight_companion(name, names):
+                continue
+            ref = adapter.parse_expert(name)
+            router_layer = adapter.router_layer(name)
+            if ref is not None and ref.layer in renumber and ref.expert not in renumber[ref.layer]:
+                counts["dropped"] += 1
+                continue
+            if ref is not None:
+                new_index = renumber.get(ref.layer, {}).get(ref.expert, ref.expert)
+                target = adapter.expert_name(type(ref)(ref.layer, new_index, ref.projection, ref.suffix))
+                expert_bits = bits.get(ref.layer, {}).get(new_index)
+                if expert_bits and ref.suffix == "weight":
+                    codes, scales = twx.encode(read_expert_weight(f, name, fmt), expert_bits, name=name)
+                    base = target[: -len(".weight")]
+                    out[f"{base}.{TWX_CODES}"], out[f"{base}.{TWX_SCALES}"] = codes, scales
+                    counts["quantized"] += 1
+                else:
+                    copy_unchanged(name, target)
+            elif router_layer is not None and router_layer in kept:
+                out[name] = f.get_tensor(name)[torch.tensor(kept[router_layer])].contiguous()
+                counts["sliced"] += 1
+            elif adapter.is_fused_expert(name) and adapter.fused_layer(name) in kept:
+                if bits:
+                    raise BuildError(f"{name}: TWX re-encoding of fused expert tensors is not supported yet")
+                out[name] = f.get_tensor(name)[torch.tensor(kept[adapter.fused_layer(name)])].contiguous()
+                counts["sliced"] += 1
+            else:
+                copy_unchanged(name, name)
+    with atomic_path(out_path) as tmp:
+        digest = save_shard(out, tmp, {"format": "pt", "moeshrink_build": plan["build"]})
+    remember_verified(out_path.parent, out_path.name, digest)
+    return {"shard": shard, **counts, "tensors": len(out)}
+
+
+def link_shard(upstream: Path, upstream_manifest: dict, shard: str, out_path: Path) -> dict:
+    """A build that changes nothing (the original) refers to the upstream bytes."""
+    verify_shard(upstream, upstream_manifest, shard)
+    if out_path.exists() or out_path.is_symlink():
+        out_path.unlink()
+    os.symlink((upstream / shard).resolve(), out_path)
+    return {"shard": shard, "linked": True}
+
+
+# ------------------------------------------------------------------------------------------ gather
+def build_config(config: dict, plan: dict) -> dict:
+    adapter = adapter_for(config)
+    new = adapter.with_num_experts(config, plan["num_experts_after"])
+    if plan["quantize"]:
+        new["quantization_config"] = quantization_config(plan)
+    return new
+
+
+def quantization_config(plan: dict) -> dict:
+    return {
+        "quant_method": "twx",
+        "format": plan["quantize"]["format"],
+        "format_version": 1,
+        "group_size": twx.GROUP,
+        "scale_encoding": "ue5m3",
+        "scale_exponent_bias": twx.SCALE_EXP_BIAS,
+        "levels": {str(b): [float(v) for v in twx.LEVELS[b]] for b in sorted(twx.LEVELS)},
+        "tensors": {"codes": TWX_CODES, "scales": TWX_SCALES},
+        "expert_bits": plan["quantize"]["expert_bits"],
+        "source_format": plan["source_format"],
+    }
+
+
+def changes_nothing(plan: dict) -> bool:
+    return not plan["prune"] and not plan["quantize"]
+
+
+def gather(build_dir: Path, upstream: Path, upstream_manifest: dict, plan: dict, shard_files: list[str]) -> dict:
+    """Index, config.json, tokenizer files and the manifest of a build folder whose shards exist."""
+    config = read_json(upstream / "config.json")
+    adapter = adapter_for(config)
+    weight_map: dict[str, str] = {}
+    bytes_by_class = {c: 0 for c in CLASSES}
+    for shard in shard_files:
+        header = read_header(build_dir / shard)
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            weight_map[name] = shard
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            bytes_by_class[adapter.tensor_class(_logical_name(name))] += size
+    total = sum(bytes_by_class.values())
+    atomic_write_json(build_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    new_config = build_config(config, plan)
+    atomic_write_json(build_dir / "config.json", new_config)
+    for name in TOKENIZER_AND_CONFIG_FILES:
+        if (upstream / name).exists():
+            with atomic_path(build_dir / name) as tmp:
+                shutil.copyfile(upstream / name, tmp)
+    expert_weights = adapter.expert_weight_count(new_config)
+    # linked shards are the upstream's own bytes, whose digests the upstream manifest already holds
+    known = {s["file"]: s["sha256"] for s in upstream_manifest["shards"]} if changes_nothing(plan) else {}
+    manifest = build_manifest(build_dir, {"kind": "build", "build": plan["build"], "upstream": str(upstream)},
+                              known_sha256=known)
+    manifest.update({
+        "bytes_by_class": bytes_by_class,
+        "routed_expert_weights": expert_weights,
+        "routed_expert_bits_per_weight": 8 * bytes_by_class["routed_experts"] / expert_weights if expert_weights else None,
+        "num_experts": plan["num_experts_after"],
+        "done": {"prune": plan["prune"] and {k: v for k, v in plan["prune"].items() if k != "layers"},
+                 "quantize": plan["quantize"] and {k: v for k, v in plan["quantize"].items()
+                                                   if k not in ("expert_bits", "sensitivity")}},
+    })
+    return manifest
+
+
+def _logical_name(name: str) -> str:
+    for suffix in (TWX_CODES, TWX_SCALES):
+        if name.endswith("." + suffix):
+            return name[: -len(suffix)] + "weight"
+    return name

@@ -1,0 +1,58 @@
+"""Which routed experts a pruned build keeps, per MoE layer.
+
+`router_sum` is the pruned75 card's calibration-free rule: rank each layer's experts by the signed
+sum of their router weight row, descending, keep the top fraction. With grouped routing
+(n_group > 1) the same number is kept from every group, so a pruned model routes exactly like the
+original with the pruned experts masked out (each group keeps its place in group-limited routing).
+`reap` ranks by calibration saliency instead (see `moeshrink.compress.reap`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from moeshrink.core.errors import MoeshrinkError
+
+if TYPE_CHECKING:  # the planner counts kept experts from headers alone, without torch
+    import torch
+
+
+class PruneConfigError(MoeshrinkError, ValueError):
+    pass
+
+
+def valid_keep_counts(num_experts: int, top_k: int, n_group: int) -> list[int]:
+    return [k for k in range(1, num_experts + 1) if k >= top_k and k % n_group == 0]
+
+
+def kept_count(num_experts: int, keep_fraction: float, top_k: int, n_group: int, where: str = "keep_fraction") -> int:
+    if not 0 < keep_fraction <= 1:
+        raise PruneConfigError(f"{where}: {keep_fraction} is outside (0, 1]")
+    keep = round(num_experts * keep_fraction)
+    if keep >= top_k and keep % n_group == 0 and keep >= 1:
+        return keep
+    options = valid_keep_counts(num_experts, top_k, n_group)
+    shown = ", ".join(f"{k} ({k / num_experts:g})" for k in options[:12]) + (" ..." if len(options) > 12 else "")
+    raise PruneConfigError(
+        f"{where}: {keep_fraction} keeps {keep} of {num_experts} experts, but a layer needs at least top-k = {top_k} "
+        f"experts and a multiple of n_group = {n_group}; counts that work (fraction): {shown}")
+
+
+def router_sum_scores(router_weight: torch.Tensor) -> torch.Tensor:
+    """The signed sum of each expert's router row."""
+    import torch
+
+    return router_weight.to(torch.float64).sum(dim=1)
+
+
+def choose_experts(scores: torch.Tensor, keep: int, n_group: int = 1) -> list[int]:
+    """Indices of the kept experts, ascending (their order, and so the compacted numbering, is kept)."""
+    num_experts = scores.numel()
+    per_group = num_experts // n_group
+    keep_per_group = keep // n_group
+    kept: list[int] = []
+    for group in range(n_group):
+        group_scores = scores[group * per_group:(group + 1) * per_group]
+        # stable descending sort: ties keep the lower index
+        order = sorted(range(per_group), key=lambda i: (-float(group_scores[i]), i))
+        kept += [group * per_group + i for i in order[:keep_per_group]]
+    return sorted(kept)

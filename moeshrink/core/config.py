@@ -1,0 +1,197 @@
+"""Config validation: JSON Schema plus the cross-field rules a schema cannot say, with errors that
+name the key's path (`builds.twx2_5.quantize.format: ...`)."""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import yaml
+
+from moeshrink.core.errors import MoeshrinkError
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
+
+
+class ConfigError(MoeshrinkError, ValueError):
+    """Every problem found, one per line, each starting with the key path it concerns."""
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = problems
+        super().__init__(f"{source} is invalid:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def load_schema(path: Path = SCHEMA_PATH) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _key_path(parts) -> str:
+    return ".".join(str(p) for p in parts) or "(top level)"
+
+
+def _describe(error) -> list[str]:
+    path = list(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = [k for k in error.instance if k not in allowed] if allowed else []
+        hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+        return [f"{_key_path(path + [k])}: unknown key{hint}" for k in unknown] or [f"{_key_path(path)}: {error.message}"]
+    if error.validator == "required":
+        missing = re.findall(r"'([^']+)' is a required property", error.message)
+        return [f"{_key_path(path + missing)}: missing (required)"]
+    if "propertyNames" in error.schema_path:
+        return [f"{_key_path(path)}: key {error.instance!r} is not a plain identifier (lowercase letters, digits, _)"]
+    if error.validator == "oneOf" and error.context:
+        return [f"{_key_path(path)}: {error.instance!r} is not valid: " +
+                " or ".join(sorted({c.message for c in error.context}))]
+    return [f"{_key_path(path)}: {error.message}"]
+
+
+def schema_problems(config: dict, schema: dict) -> list[str]:
+    from jsonschema import Draft202012Validator
+
+    validator = Draft202012Validator(schema)
+    problems: list[str] = []
+    for error in sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path]):
+        problems += _describe(error)
+    return problems
+
+
+ORGANISM_PARTS = ("data", "tokenizer", "model", "train", "publish", "card")
+
+
+def semantic_problems(config: dict) -> list[str]:
+    problems: list[str] = []
+    builds = config["builds"]
+    if config["reference_build"] not in builds:
+        problems.append(f"reference_build: {config['reference_build']!r} is not a build "
+                        f"(builds: {', '.join(builds)})")
+    for index, pair in enumerate(config["compare"]["pairs"]):
+        for build_id in pair:
+            if build_id not in builds:
+                problems.append(f"compare.pairs[{index}]: {build_id!r} is not a build (builds: {', '.join(builds)})")
+        if pair[0] == pair[1]:
+            problems.append(f"compare.pairs[{index}]: a build compared with itself ({pair[0]!r})")
+    for build_id, build in builds.items():
+        for step in ("prune", "quantize"):
+            if step in build and build_id == config["reference_build"]:
+                problems.append(f"builds.{build_id}.{step}: the reference build must be the upstream as published")
+        prune_spec = build.get("prune") or {}
+        if prune_spec.get("method") == "reap":
+            calibration = prune_spec.get("calibration")
+            if calibration is None:
+                problems.append(f"builds.{build_id}.prune.calibration: required for method reap "
+                                "(file, sequences, seq_len)")
+            elif calibration["file"] is None and config["upstream"]["source"] != "organism":
+                problems.append(f"builds.{build_id}.prune.calibration.file: required unless upstream.source is "
+                                "organism (whose corpus is the default)")
+        elif "calibration" in prune_spec:
+            problems.append(f"builds.{build_id}.prune.calibration: only method reap uses calibration text")
+        quantize_spec = build.get("quantize") or {}
+        budget = quantize_spec.get("max_bits_per_weight")
+        if quantize_spec.get("format") == "twx3" and budget is not None and budget < 3.25:
+            problems.append(f"builds.{build_id}.quantize.max_bits_per_weight: twx3 stores 3.25 bits per weight; "
+                            f"{budget} needs format twx2.5")
+    gsm8k = config["evals"].get("gsm8k")
+    if gsm8k:
+        for build_id in gsm8k["builds"] or []:
+            if build_id not in builds:
+                problems.append(f"evals.gsm8k.builds: {build_id!r} is not a build (builds: {', '.join(builds)})")
+    upstream = config["upstream"]
+    source = upstream["source"]
+    if source not in upstream:
+        return problems + [f"upstream.{source}: missing (required when upstream.source is {source})"]
+    if source == "hf":
+        hf = upstream["hf"]
+        if not hf["repo_id"]:
+            problems.append("upstream.hf.repo_id: required when upstream.source is hf")
+        if not hf["revision"] or not COMMIT_HASH.match(hf["revision"]):
+            problems.append(f"upstream.hf.revision: must pin a 40-hex-digit commit hash, got {hf['revision']!r}")
+    if source == "path" and not upstream["path"]["dir"]:
+        problems.append("upstream.path.dir: required when upstream.source is path")
+    for eval_id in ("mmlu", "gsm8k"):
+        spec = config["evals"].get(eval_id)
+        if spec and spec["dataset"] == "organism" and source != "organism":
+            problems.append(f"evals.{eval_id}.dataset: 'organism' needs upstream.source organism; "
+                            "use lm_eval for a real model")
+    agreement = config["evals"].get("agreement")
+    cap = config["serve"]["max_logprobs"]
+    if agreement and cap != -1 and agreement["top_k"] > cap:
+        problems.append(f"evals.agreement.top_k: {agreement['top_k']} is more than the server returns "
+                        f"(serve.max_logprobs {cap})")
+    if agreement and agreement["exact_check_passages"] and cap != -1:
+        problems.append("evals.agreement.exact_check_passages: needs whole-vocabulary log-probabilities "
+                        f"(serve.max_logprobs -1, not {cap})")
+    organism = upstream.get("organism") or {}
+    needs_world = [e for e in ("facts", "toolcalls") if e in config["evals"]]
+    if (config["evals"].get("agreement") or {}).get("file", "") is None:
+        needs_world.append("agreement")
+    if needs_world and "data" not in organism:
+        problems.append(f"upstream.organism.data: the {', '.join(needs_world)} eval sets come from the organism's "
+                        "world generator; give its data section (or an agreement file)")
+    if source != "organism":
+        return problems
+    missing = [key for key in ORGANISM_PARTS if key not in organism]
+    if missing:
+        return problems + [f"upstream.organism.{key}: required when upstream.source is organism" for key in missing]
+    model = upstream["organism"]["model"]
+    if model["n_routed_experts"] % model["n_group"]:
+        problems.append(f"upstream.organism.model.n_group: {model['n_group']} does not divide "
+                        f"n_routed_experts {model['n_routed_experts']}")
+    if model["topk_group"] > model["n_group"]:
+        problems.append("upstream.organism.model.topk_group: must not exceed n_group")
+    if model["num_experts_per_tok"] > model["n_routed_experts"]:
+        problems.append("upstream.organism.model.num_experts_per_tok: must not exceed n_routed_experts")
+    if model["first_k_dense_replace"] >= model["num_hidden_layers"]:
+        problems.append("upstream.organism.model.first_k_dense_replace: leaves no MoE layer")
+    for key in ("hidden_size", "moe_intermediate_size"):
+        if model[key] % 32:
+            problems.append(f"upstream.organism.model.{key}: MXFP4 needs a multiple of 32, got {model[key]}")
+    return problems
+
+
+def fill_defaults(config: dict, schema: dict) -> None:
+    """Set every key the config leaves out that the schema gives a `default:`, in place, wherever its
+    parent mapping is present (the schema is the one place a default lives)."""
+    def walk(instance, node: dict) -> None:
+        if not isinstance(instance, dict) or not isinstance(node, dict):
+            return
+        if str(node.get("$ref", "")).startswith("#/"):  # a local definition: its defaults count too
+            target = schema
+            for part in node["$ref"][2:].split("/"):
+                target = target[part]
+            walk(instance, target)
+        for name, sub in node.get("properties", {}).items():
+            if isinstance(sub, dict) and "default" in sub and name not in instance:
+                instance[name] = copy.deepcopy(sub["default"])
+            if name in instance:
+                walk(instance[name], sub)
+        if isinstance(node.get("additionalProperties"), dict):
+            for name, value in instance.items():
+                if name not in node.get("properties", {}):
+                    walk(value, node["additionalProperties"])
+
+    walk(config, schema)
+
+
+def validate(config: dict, source: str = "config", schema: dict | None = None) -> dict:
+    """Fill the schema's defaults into `config` (in place) and return it if valid; raise ConfigError
+    listing every problem otherwise."""
+    schema = schema or load_schema()
+    problems = schema_problems(config, schema)
+    if not problems:
+        fill_defaults(config, schema)
+        problems = semantic_problems(config)
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def load(path: Path | str) -> dict:
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    if not isinstance(config, dict):
+        raise ConfigError(["(top level): the file is not a YAML mapping"], str(path))
+    return validate(config, str(path))

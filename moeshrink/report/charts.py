@@ -1,0 +1,138 @@
+"""The report's charts as inline SVG (no script, no external file). Every label is escaped: build
+labels come from config."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from markupsafe import Markup, escape
+
+FONT = 'font-family="system-ui, sans-serif" font-size="11"'
+COLOURS = ["#1f5fa8", "#c2571a", "#2e8b57", "#8e44ad", "#b8860b", "#555555"]
+
+
+@dataclass
+class Axis:
+    low: float
+    high: float
+    start_px: float
+    end_px: float
+
+    def __call__(self, value: float) -> float:
+        span = self.high - self.low or 1.0
+        return self.start_px + (value - self.low) / span * (self.end_px - self.start_px)
+
+
+def _padded(values: Sequence[float], include: Sequence[float] = (),
+            bounds: tuple[float, float] = (float("-inf"), float("inf"))) -> tuple[float, float]:
+    points = [*values, *include]
+    low, high = min(points), max(points)
+    pad = (high - low) * 0.08 or max(abs(high), 1.0) * 0.1
+    return max(bounds[0], low - pad), min(bounds[1], high + pad)
+
+
+def _text(x: float, y: float, text: str, anchor: str = "start", extra: str = "") -> str:
+    return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" {FONT} {extra}>{escape(text)}</text>'
+
+
+def _svg(width: int, height: int, title: str, body: list[str]) -> Markup:
+    return Markup(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+                  f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">'
+                  f'<title>{escape(title)}</title>{"".join(body)}</svg>')
+
+
+def _ticks(axis: Axis, count: int = 5) -> list[float]:
+    step = (axis.high - axis.low) / count
+    return [axis.low + step * i for i in range(count + 1)]
+
+
+def size_against_drop(points: list[dict], pass_mark_points: float, measure: str) -> Markup:
+    """x: weights (decimal GB, MB for small models); y: points below the reference (up = worse), a dot
+    at the drop and a bar up to its at-worst bound; a dashed line at the pass mark. points: label,
+    bytes, drop, at_worst."""
+    width, height, left, right, top, bottom = 600, 320, 60, 20, 20, 45
+    unit, scale = ("GB", 1e9) if max(p["bytes"] for p in points) >= 1e9 else ("MB", 1e6)
+    xs = [p["bytes"] / scale for p in points]
+    ys = [p["drop"] for p in points] + [p["at_worst"] for p in points if p["at_worst"] is not None]
+    x_axis = Axis(*_padded(xs), left, width - right)
+    y_axis = Axis(*_padded(ys, include=[0.0, pass_mark_points]), height - bottom, top)
+    body = [f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
+            f'fill="none" stroke="#ccc"/>']
+    for tick in _ticks(y_axis):
+        body.append(_text(left - 6, y_axis(tick) + 4, f"{tick:.1f}", "end"))
+    for tick in _ticks(x_axis, 4):
+        body.append(_text(x_axis(tick), height - bottom + 15, _size_tick(tick), "middle"))
+    body.append(f'<line x1="{left}" x2="{width - right}" y1="{y_axis(0):.1f}" y2="{y_axis(0):.1f}" stroke="#999"/>')
+    mark_y = y_axis(pass_mark_points)
+    body.append(f'<line x1="{left}" x2="{width - right}" y1="{mark_y:.1f}" y2="{mark_y:.1f}" stroke="#aa1111" '
+                f'stroke-dasharray="5,4"/>')
+    body.append(_text(width - right - 4, mark_y - 4,
+                      f"pass mark: {pass_mark_points:g} point{'' if pass_mark_points == 1 else 's'} below", "end",
+                      'fill="#aa1111"'))
+    for index, (point, size) in enumerate(zip(points, xs)):
+        colour = COLOURS[index % len(COLOURS)]
+        x, y = x_axis(size), y_axis(point["drop"])
+        if point["at_worst"] is not None:
+            body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y:.1f}" y2="{y_axis(point["at_worst"]):.1f}" '
+                        f'stroke="{colour}" stroke-width="2"/>')
+            body.append(f'<line x1="{x - 5:.1f}" x2="{x + 5:.1f}" y1="{y_axis(point["at_worst"]):.1f}" '
+                        f'y2="{y_axis(point["at_worst"]):.1f}" stroke="{colour}" stroke-width="2"/>')
+        body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5" fill="{colour}"/>')
+        body.append(_text(x + 8, y + 4, point["label"], extra=f'fill="{colour}"'))
+    body.append(_text((left + width - right) / 2, height - 8, f"weights (decimal {unit})", "middle"))
+    body.append(_text(14, (top + height - bottom) / 2, f"{measure}: points below the original", "middle",
+                      f'transform="rotate(-90 14 {(top + height - bottom) / 2:.1f})"'))
+    return _svg(width, height, f"Size against {measure} drop, with the at-worst bound and the pass mark", body)
+
+
+def _size_tick(size: float) -> str:
+    return f"{size:,.0f}" if size >= 10 else f"{size:.3g}"
+
+
+def stacked_memory(rows: list[dict]) -> Markup:
+    """One horizontal bar per build: weights then KV-cache room on one card (GiB). rows: label,
+    weights_gib, kv_cache_gib, kv_cache_tokens."""
+    bar, gap, left, right, top = 22, 14, 110, 300, 28
+    width = 760
+    height = top + len(rows) * (bar + gap) + 30
+    total = max(r["weights_gib"] + r["kv_cache_gib"] for r in rows) or 1.0
+    axis = Axis(0.0, total, left, width - right)
+    body = [f'<rect x="{left}" y="6" width="12" height="10" fill="{COLOURS[0]}"/>',
+            _text(left + 16, 15, "weights"),
+            f'<rect x="{left + 80}" y="6" width="12" height="10" fill="{COLOURS[2]}"/>',
+            _text(left + 96, 15, "room for the KV cache")]
+    for index, row in enumerate(rows):
+        y = top + index * (bar + gap)
+        weights_end = axis(row["weights_gib"])
+        body.append(_text(left - 6, y + bar / 2 + 4, row["label"], "end"))
+        body.append(f'<rect x="{left}" y="{y}" width="{weights_end - left:.1f}" height="{bar}" fill="{COLOURS[0]}"/>')
+        kv_end = axis(row["weights_gib"] + row["kv_cache_gib"])
+        body.append(f'<rect x="{weights_end:.1f}" y="{y}" width="{kv_end - weights_end:.1f}" '
+                    f'height="{bar}" fill="{COLOURS[2]}"/>')
+        body.append(_text(axis(row["weights_gib"] + row["kv_cache_gib"]) + 6, y + bar / 2 + 4,
+                          f'{row["weights_gib"]:.3g} + {row["kv_cache_gib"]:.3g} GiB, {row["kv_cache_tokens"]:,} tokens'))
+    body.append(_text((left + width - right) / 2, height - 6, "GiB per card", "middle"))
+    return _svg(width, height, "Memory per card: weights and KV-cache room", body)
+
+
+def interval_dots(rows: list[dict], unit: str, title: str, fmt: str = "{:.3g}",
+                  bounds: tuple[float, float] = (float("-inf"), float("inf"))) -> Markup:
+    """A dot per build at its value, whiskers over its 95% interval, the axis kept within `bounds`.
+    rows: label, value, low, high."""
+    row_height, left, right, top = 26, 110, 120, 10
+    width = 560
+    height = top + len(rows) * row_height + 30
+    values = [v for r in rows for v in (r["value"], r["low"], r["high"])]
+    axis = Axis(*_padded(values, bounds=bounds), left, width - right)
+    body = [f'<line x1="{left}" x2="{width - right}" y1="{height - 26}" y2="{height - 26}" stroke="#ccc"/>']
+    for tick in _ticks(axis, 4):
+        body.append(_text(axis(tick), height - 12, fmt.format(tick), "middle"))
+    for index, row in enumerate(rows):
+        y = top + index * row_height + row_height / 2
+        colour = COLOURS[index % len(COLOURS)]
+        body.append(_text(left - 6, y + 4, row["label"], "end"))
+        body.append(f'<line x1="{axis(row["low"]):.1f}" x2="{axis(row["high"]):.1f}" y1="{y:.1f}" y2="{y:.1f}" '
+                    f'stroke="{colour}" stroke-width="2"/>')
+        body.append(f'<circle cx="{axis(row["value"]):.1f}" cy="{y:.1f}" r="4.5" fill="{colour}"/>')
+        body.append(_text(width - right + 8, y + 4, fmt.format(row["value"]) + unit))
+    return _svg(width, height, title, body)

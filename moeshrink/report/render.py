@@ -1,0 +1,459 @@
+"""Render report/<run>/r013.html from the JSON files rules wrote, and nothing else: tables are pandas frames
+built from those files, charts inline SVG, the page one self-contained file. A build config declares
+without its files is an error naming the file, never a blank row."""
+from __future__ import annotations
+
+import csv
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
+
+from moeshrink.core.errors import MoeshrinkError
+from moeshrink.core.ioutil import atomic_write_text, read_json
+from moeshrink.core.layout import benchmarks_dir
+from moeshrink.core.provenance import Provenance, config_hash
+from moeshrink.report import charts
+from moeshrink.report.report_inputs import input_files
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "report" / "templates"
+GB = 1e9
+SHARD_FILE = re.compile(r"model-\d+-of-\d+(\.safetensors)?$")
+
+
+class ReportError(MoeshrinkError, ValueError):
+    """The report's inputs are incomplete or inconsistent."""
+
+
+@dataclass
+class Results:
+    """Everything the report reads, by build."""
+    upstream: dict
+    manifests: dict[str, dict] = field(default_factory=dict)
+    memory: dict[str, dict] = field(default_factory=dict)
+    predictions: dict[str, dict] = field(default_factory=dict)
+    evals: dict[str, dict[str, dict]] = field(default_factory=lambda: defaultdict(dict))
+    compare: dict[str, dict] = field(default_factory=dict)
+    pairs: list[dict] = field(default_factory=list)
+    card: dict | None = None
+    train: dict | None = None
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def load(inputs: dict[str, Path], config: dict) -> Results:
+    check_complete(inputs, config)
+    results = Results(upstream=read_json(inputs["upstream"]), files={k: str(v) for k, v in inputs.items()})
+    for key, path in inputs.items():
+        kind, _, rest = key.partition("_")
+        if kind == "build":
+            results.manifests[rest] = read_json(path)
+        elif kind == "memory":
+            results.memory[rest] = read_json(path)
+        elif kind == "prediction":
+            results.predictions[rest] = read_json(path)
+        elif kind == "eval":
+            record = read_json(path)
+            results.evals[record["build"]][record["eval"]] = record
+        elif kind == "compare":
+            record = read_json(path)
+            results.compare[record["b"]] = record
+        elif kind == "pair":
+            results.pairs.append(read_json(path))
+    results.card = read_json(inputs["card"]) if "card" in inputs else None
+    results.train = read_json(inputs["train"]) if "train" in inputs else None
+    return results
+
+
+def check_complete(inputs: dict[str, Path], config: dict) -> None:
+    """Every build config declares has its manifest, memory, evals and comparison."""
+    missing = [path for key, path in input_files(config).items() if key not in inputs]
+    if missing:
+        raise ReportError("the report needs every configured build's results; missing: " + ", ".join(missing))
+
+
+def decimal_size(size_bytes: float) -> str:
+    """Decimal units, as the published report writes sizes (GB = 10**9 bytes)."""
+    if size_bytes >= GB:
+        return f"{size_bytes / GB:,.1f} GB"
+    return f"{size_bytes / 1e6:,.2f} MB"
+
+
+def pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f}%"
+
+
+
+def memory_checks_text(memory: dict) -> str:
+    """'all N hold', or which checks failed: a figure that disagrees with its prediction is never
+    printed without saying so."""
+    failed = [name for name, ok in memory["checks"].items() if not ok]
+    return f"all {len(memory['checks'])} hold" if not failed else "FAILED: " + ", ".join(failed)
+
+def rate_text(figure: dict | None) -> str:
+    if not figure:
+        return "-"
+    low, high = figure["ci95"]
+    return f"{pct(figure['value'])} [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def points(value: float | None, signed: bool = True) -> str:
+    if value is None:
+        return "-"
+    value = round(value, 1) + 0.0  # no "-0.0"
+    return f"{value:+.1f}" if signed and value else f"{value:.1f}"
+
+
+def p_text(p_value: float | None) -> str:
+    if p_value is None:
+        return "-"
+    return f"{p_value:.2g}" if p_value >= 1e-4 else f"{p_value:.1e}"
+
+
+def ratio_text(build_bytes: int, reference_bytes: int) -> str:
+    ratio = build_bytes / reference_bytes
+    if abs(ratio - 1) < 5e-4:
+        return "reference" if build_bytes == reference_bytes else "same size"
+    if ratio < 1:
+        return f"{100 * (1 - ratio):.0f}% smaller ({1 / ratio:.2f}x)"
+    return f"{100 * (ratio - 1):.0f}% larger"
+
+
+def html_table(frame: pd.DataFrame, per_build: bool = True) -> Markup:
+    """A pandas table, every cell escaped; `per-build` tables have one row per build (the browser test
+    checks it)."""
+    classes = ["data", "per-build"] if per_build else ["data"]
+    return Markup(frame.to_html(index=False, escape=True, border=0, classes=classes, na_rep="-"))
+
+
+def made_by(build: dict) -> str:
+    steps = []
+    if build.get("prune"):
+        steps.append(f"prune {build['prune']['method']}, keep {100 * build['prune']['keep_fraction']:g}% of experts")
+    if build.get("quantize"):
+        steps.append(f"quantize experts to {build['quantize']['format']}")
+    return "; ".join(steps) or "as published"
+
+
+class Page:
+    """The page's sections, each from the loaded results."""
+
+    def __init__(self, results: Results, config: dict):
+        self.results = results
+        self.config = config
+        self.reference = config["reference_build"]
+        self.builds = list(config["builds"])
+        self.labels = {build_id: build["label"] for build_id, build in config["builds"].items()}
+        self.others = [b for b in self.builds if b != self.reference]
+        self.judging = config["compare"]
+
+    def label(self, build_id: str) -> str:
+        return self.labels[build_id]
+
+    def bytes_of(self, build_id: str) -> int:
+        return self.results.manifests[build_id]["total_bytes"]
+
+    def setup_table(self) -> Markup:
+        reference_bytes = self.bytes_of(self.reference)
+        rows = []
+        for build_id in self.builds:
+            manifest = self.results.manifests[build_id]
+            rows.append({"Build": self.label(build_id), "Made by": made_by(self.config["builds"][build_id]),
+                         "Routed experts per layer": manifest["num_experts"],
+                         "Routed-expert bits per weight": f"{manifest['routed_expert_bits_per_weight']:.3f}",
+                         "Weights": decimal_size(manifest["total_bytes"]),
+                         "Against the original": ratio_text(manifest["total_bytes"], reference_bytes)})
+        return html_table(pd.DataFrame(rows))
+
+    def paired(self, build_id: str, eval_id: str) -> dict | None:
+        return self.results.compare.get(build_id, {}).get("evals", {}).get(eval_id)
+
+    def accuracy(self, build_id: str, eval_id: str) -> dict | None:
+        result = self.results.evals.get(build_id, {}).get(eval_id)
+        if not result:
+            return None
+        return result["metrics"]["accuracy" if eval_id == "mmlu" else "exact_match"]
+
+    def quality_table(self, eval_id: str) -> Markup | None:
+        builds = [b for b in self.builds if self.accuracy(b, eval_id)]
+        if not builds:
+            return None
+        rows = []
+        for build_id in builds:
+            paired = self.paired(build_id, eval_id)
+            row = {"Build": self.label(build_id), "Accuracy [95% CI]": rate_text(self.accuracy(build_id, eval_id))}
+            if paired:
+                row.update({"Against the original (points)": points(-paired["drop_points"]),
+                            "At worst (points)": points(-paired["at_worst_points"]),
+                            "Right only for the original": str(paired["only_a"]),
+                            "Right only for the build": str(paired["only_b"]),
+                            "McNemar p": p_text(paired["p_value"]),
+                            "Could detect a loss of (points)": f"{paired['minimum_detectable_drop_points']:.1f}",
+                            f"Pass mark ({self.judging['pass_mark_points']:g} point, on {self.judging['pass_on']})":
+                                f"{paired['verdict']}: {paired['verdict_reason']}"})
+            rows.append(row)
+        return html_table(pd.DataFrame(rows).fillna({"Against the original (points)": "reference"}))
+
+    def pairs_table(self) -> Markup | None:
+        rows = []
+        for pair in self.results.pairs:
+            for eval_id in ("mmlu", "gsm8k"):
+                paired = pair["evals"].get(eval_id)
+                if paired:
+                    rows.append({"Builds": f"{self.label(pair['a'])} vs {self.label(pair['b'])}", "Eval": eval_id,
+                                 "Items": paired["items"], "Right only for the first": paired["only_a"],
+                                 "Right only for the second": paired["only_b"],
+                                 "Second against first (points)": points(-paired["drop_points"]),
+                                 "McNemar p": p_text(paired["p_value"])})
+        return html_table(pd.DataFrame(rows), per_build=False) if rows else None
+
+    def facts_and_tools_table(self) -> Markup | None:
+        efforts = self.config["evals"].get("toolcalls", {}).get("efforts", [])
+        rows = []
+        for build_id in self.builds:
+            evals = self.results.evals.get(build_id, {})
+            if "facts" not in evals and "toolcalls" not in evals:
+                continue
+            compared = self.results.compare.get(build_id, {}).get("evals", {})
+            row = {"Build": self.label(build_id)}
+            if "facts" in evals:
+                row["Made-up facts"] = evals["facts"]["metrics"]["made_up"]["text"]
+                row["Fisher p (facts)"] = p_text(compared["facts"]["p_value"]) if "facts" in compared else "reference"
+            for effort in efforts:
+                if "toolcalls" in evals:
+                    row[f"Tool calls right ({effort}) [95% CI]"] = rate_text(
+                        evals["toolcalls"]["metrics"]["by_effort"][effort]["right"])
+                    tools = compared.get("toolcalls", {}).get("by_effort", {}).get(effort)
+                    row[f"Fisher p ({effort})"] = p_text(tools["p_value"]) if tools else "reference"
+            rows.append(row)
+        return html_table(pd.DataFrame(rows)) if rows else None
+
+    def agreement_rows(self) -> list[dict]:
+        rows = []
+        for build_id in self.builds:
+            result = self.results.evals.get(build_id, {}).get("agreement")
+            if result:
+                metrics = result["metrics"]
+                rows.append({"build": build_id, "label": self.label(build_id), "metrics": metrics,
+                             "reference_read_twice": bool(result.get("reference"))})
+        return rows
+
+    def agreement_table(self) -> Markup | None:
+        rows = []
+        for row in self.agreement_rows():
+            metrics = row["metrics"]
+            kl = metrics["mean_kl"]
+            rows.append({"Build": row["label"] + (" (read twice)" if row["reference_read_twice"] else ""),
+                         "Positions": f"{metrics['positions']:,}",
+                         "Next-word agreement [95% CI]": rate_text({**metrics["top1_agreement"]}),
+                         "Drift, mean KL (nats) [95% CI]": f"{kl['value']:.4f} [{kl['ci95'][0]:.4f}, {kl['ci95'][1]:.4f}]",
+                         "KL p99": f"{metrics['kl_percentiles']['p99']:.3g}",
+                         "Exact-KL check (relative difference)": self._exact_check(metrics)})
+        return html_table(pd.DataFrame(rows)) if rows else None
+
+    @staticmethod
+    def _exact_check(metrics: dict) -> str:
+        check = metrics.get("exact_check")
+        if not check or check.get("relative_difference") is None:
+            return "-"
+        return f"{100 * check['relative_difference']:.1f}% on {check['positions']:,} positions"
+
+    def memory_table(self) -> Markup:
+        rows = []
+        for build_id in self.builds:
+            measured, predicted = self.results.memory[build_id], self.results.memory[build_id]["predicted"]
+            rows.append({"Build": self.label(build_id),
+                         "Weights per card (GiB)": f"{measured['weights_gib']:.4g}",
+                         "predicted": f"{predicted['weights_gib']:.4g}",
+                         "Room for the KV cache (GiB)": f"{measured['kv_cache_gib']:.4g}",
+                         "predicted ": f"{predicted['kv_cache_gib']:.4g}",
+                         "Tokens the cache holds": f"{measured['kv_cache_tokens']:,}",
+                         "predicted  ": f"{predicted['kv_cache_tokens']:,}",
+                         "Bytes per token": f"{measured['kv_bytes_per_token']:,}",
+                         f"Requests at {measured['max_model_len']:,} tokens": f"{measured['max_concurrency']:.1f}",
+                         "Checks": memory_checks_text(measured)})
+        return html_table(pd.DataFrame(rows))
+
+    def failed_memory_checks(self) -> dict[str, list[str]]:
+        """Builds whose memory.json has a check that does not hold, with those checks."""
+        failed = {self.label(b): [name for name, ok in self.results.memory[b]["checks"].items() if not ok]
+                  for b in self.builds}
+        return {label: names for label, names in failed.items() if names}
+
+    def charts(self) -> dict[str, Markup]:
+        out = {}
+        knowledge = [{"label": self.label(b), "bytes": self.bytes_of(b),
+                      "drop": self.paired(b, "mmlu")["drop_points"] if b != self.reference else 0.0,
+                      "at_worst": self.paired(b, "mmlu")["at_worst_points"] if b != self.reference else None}
+                     for b in self.builds if b == self.reference or self.paired(b, "mmlu")]
+        if len(knowledge) > 1:
+            out["size_drop"] = charts.size_against_drop(knowledge, self.judging["pass_mark_points"], "MMLU")
+        out["memory"] = charts.stacked_memory([{"label": self.label(b), **self.results.memory[b]} for b in self.builds])
+        agreement = self.agreement_rows()
+        if agreement:
+            out["agreement"] = charts.interval_dots(
+                [{"label": r["label"], "value": 100 * r["metrics"]["top1_agreement"]["value"],
+                  "low": 100 * r["metrics"]["top1_agreement"]["ci95"][0],
+                  "high": 100 * r["metrics"]["top1_agreement"]["ci95"][1]} for r in agreement],
+                "%", "Next-word agreement with the original, 95% intervals", "{:.1f}", bounds=(0.0, 100.0))
+            out["drift"] = charts.interval_dots(
+                [{"label": r["label"], "value": r["metrics"]["mean_kl"]["value"],
+                  "low": r["metrics"]["mean_kl"]["ci95"][0], "high": r["metrics"]["mean_kl"]["ci95"][1]}
+                 for r in agreement], " nats", "Drift (mean KL from the original), 95% intervals", "{:.3g}",
+                bounds=(0.0, float("inf")))
+        return out
+
+    def verdicts(self, build_id: str) -> list[str]:
+        return [paired["verdict"] for eval_id in ("mmlu", "gsm8k")
+                if (paired := self.paired(build_id, eval_id)) and "verdict" in paired]
+
+    def passes(self, build_id: str) -> bool | None:
+        """True when it passes the pass mark on every paired eval it ran, False when it fails one,
+        None when none was judged or a verdict is "cannot tell" (never counted as a pass)."""
+        verdicts = self.verdicts(build_id)
+        if "fail" in verdicts:
+            return False
+        return True if verdicts and all(v == "pass" for v in verdicts) else None
+
+    def which_build(self) -> dict:
+        """The choice, derived from the numbers by the rules the page states."""
+        qualifying = [b for b in self.others if self.passes(b)]
+        agreement = {r["build"]: r["metrics"] for r in self.agreement_rows()}
+
+        def fidelity_key(build_id: str):
+            metrics = agreement.get(build_id)
+            if metrics:
+                return (metrics["top1_agreement"]["value"], -metrics["mean_kl"]["value"])
+            paired = self.paired(build_id, "mmlu")
+            return (-paired["drop_points"] if paired else float("-inf"), 0.0)
+
+        fidelity = max(qualifying, key=fidelity_key) if qualifying else None
+        room = max(qualifying, key=lambda b: self.results.memory[b]["kv_cache_tokens"]) if qualifying else None
+        return {"qualifying": qualifying, "failing": [b for b in self.others if self.passes(b) is False],
+                "undecided": [b for b in self.others if self.passes(b) is None and "cannot tell" in self.verdicts(b)],
+                "fidelity": fidelity, "room": room}
+
+    def headline(self) -> list[str]:
+        """One sentence per build, from its files."""
+        reference_bytes = self.bytes_of(self.reference)
+        lines = []
+        for build_id in self.others:
+            sentence = f"{self.label(build_id)}: {decimal_size(self.bytes_of(build_id))} of weights, " \
+                       f"{ratio_text(self.bytes_of(build_id), reference_bytes)}"
+            paired = self.paired(build_id, "mmlu")
+            if paired:
+                sentence += (f"; MMLU {pct(paired['accuracy_b']['value'])} against {pct(paired['accuracy_a']['value'])}, "
+                             f"{_below(paired['drop_points'])} (at worst {_below(paired['at_worst_points'])})")
+            agreement = self.results.evals.get(build_id, {}).get("agreement")
+            if agreement:
+                sentence += f"; next-word agreement {pct(agreement['metrics']['top1_agreement']['value'])}"
+            verdict = self.passes(build_id)
+            if verdict is not None:
+                sentence += "; passes the pass mark" if verdict else "; fails the pass mark"
+            elif "cannot tell" in self.verdicts(build_id):
+                sentence += "; the data cannot tell whether it passes the pass mark"
+            lines.append(sentence + ".")
+        return lines
+
+    def pruned_sections(self) -> list[dict]:
+        sections = []
+        upstream_experts = self.results.upstream["config"].get("n_routed_experts")
+        for build_id in self.others:
+            spec = self.config["builds"][build_id].get("prune")
+            if not spec:
+                continue
+            memory = self.results.memory[build_id]
+            paired = self.paired(build_id, "gsm8k")
+            gsm8k = self.results.evals.get(build_id, {}).get("gsm8k")
+            sections.append({
+                "id": build_id, "label": self.label(build_id), "spec": spec,
+                "experts": self.results.manifests[build_id]["num_experts"], "upstream_experts": upstream_experts,
+                "models_check": memory.get("models_check"), "startup_seconds": memory["server"].get("startup_seconds"),
+                "gsm8k": gsm8k, "paired": paired,
+                "gsm8k_reference": self.results.evals.get(self.reference, {}).get("gsm8k"),
+            })
+        return sections
+
+    def serving_flags(self) -> Markup:
+        rows = [{"Build": self.label(b), "vLLM flags": " ".join(self.results.memory[b]["server"]["args"]),
+                 "Server start (s)": f"{self.results.memory[b]['server'].get('startup_seconds') or 0:.0f}"}
+                for b in self.builds]
+        return html_table(pd.DataFrame(rows))
+
+
+def _below(drop_points: float) -> str:
+    if abs(drop_points) < 0.05:
+        return "level with the original"
+    return f"{abs(drop_points):.1f} points {'below' if drop_points > 0 else 'above'} the original"
+
+
+def stage_times(benchmark_dir: Path) -> Markup | None:
+    """Wall time per stage and build from Snakemake's benchmark files (shard jobs summed)."""
+    rows = []
+    for path in sorted(benchmark_dir.rglob("*.tsv")):
+        with open(path) as f:
+            records = list(csv.DictReader(f, delimiter="\t"))
+        if not records:
+            continue
+        stage = path.relative_to(benchmark_dir).with_suffix("")
+        name = "shards" if SHARD_FILE.match(stage.name) else stage.name
+        rows.append({"Stage": str(stage.parent / name), "seconds": float(records[-1]["s"]),
+                     "max_rss": pd.to_numeric(records[-1].get("max_rss"), errors="coerce")})
+    if not rows:
+        return None
+    frame = pd.DataFrame(rows).groupby("Stage", sort=False).agg(
+        jobs=("seconds", "size"), seconds=("seconds", "sum"), max_rss=("max_rss", "max")).reset_index()
+    frame["Wall time (s, summed over jobs)"] = frame["seconds"].map(lambda s: f"{s:,.1f}")
+    frame["Peak RSS (MB)"] = frame["max_rss"].map(lambda m: "" if pd.isna(m) else f"{m:,.0f}")
+    frame = frame.rename(columns={"jobs": "Jobs"})[["Stage", "Jobs", "Wall time (s, summed over jobs)", "Peak RSS (MB)"]]
+    return html_table(frame, per_build=False)
+
+
+def context(results: Results, config: dict, benchmark_dir: Path) -> dict:
+    page = Page(results, config)
+    reference_memory = results.memory[page.reference]
+    return {
+        "title": config["title"], "config": config, "config_hash": config_hash(config),
+        "labels": page.labels, "reference": page.reference, "reference_label": page.label(page.reference),
+        "upstream": results.upstream, "card": results.card, "train": results.train,
+        "headline": page.headline(), "which": page.which_build(), "judging": page.judging,
+        "setup_table": page.setup_table(),
+        "quality_tables": {e: t for e in ("mmlu", "gsm8k") if (t := page.quality_table(e))},
+        "pairs_table": page.pairs_table(), "facts_tools_table": page.facts_and_tools_table(),
+        "agreement_table": page.agreement_table(), "memory_table": page.memory_table(),
+        "failed_memory_checks": page.failed_memory_checks(),
+        "memory_reference": reference_memory, "charts": page.charts(),
+        "pruned": page.pruned_sections(), "serving_flags": page.serving_flags(),
+        "stage_times": stage_times(benchmark_dir),
+        "eval_counts": eval_counts(results, page.reference),
+        "files": results.files,
+    }
+
+
+def eval_counts(results: Results, reference: str) -> dict:
+    """What the reference read, per eval (config may scale the published counts)."""
+    evals = results.evals.get(reference, {})
+    counts = {eval_id: result["items"] for eval_id, result in evals.items()}
+    if "toolcalls" in evals:
+        counts["toolcalls_per_effort"] = max(evals["toolcalls"]["calls_per_effort"].values())
+    if "agreement" in evals:
+        counts["agreement_positions"] = evals["agreement"]["metrics"]["positions"]
+    return counts
+
+
+def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir: Path | None = None) -> None:
+    prov = Provenance("report", {"title": config["title"], "config_sha256_16": config_hash(config)},
+                      inputs=[str(p) for p in inputs.values()])
+    results = load(inputs, config)
+    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"]),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["gb"] = decimal_size
+    env.filters["pct"] = pct
+    env.filters["p"] = p_text
+    env.filters["below"] = _below
+    ctx = context(results, config, benchmark_dir or benchmarks_dir(config))
+    ctx["provenance"] = prov.record()
+    atomic_write_text(out_file, env.get_template("r013.html.j2").render(**ctx))

@@ -1,0 +1,142 @@
+"""The package layout follows the data flow: a stage imports only the stages before it (lazy imports
+inside functions count too), no modules import each other in a circle, and the jobs that only read
+headers or speak HTTP never import torch. ruff's checks (pyproject.toml) pass on the whole tree."""
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom to top: a module may import modules of its own layer and of the layers below it.
+LAYERS = [
+    ("core", {"moeshrink.core"}),
+    ("formats", {"moeshrink.formats"}),
+    ("kernels", {"moeshrink_kernels"}),
+    ("upstream", {"moeshrink.organism", "moeshrink.upstream"}),
+    ("compress", {"moeshrink.compress"}),
+    ("serve", {"moeshrink.serve"}),
+    ("evals", {"moeshrink.evals"}),
+    ("compare", {"moeshrink.compare"}),
+    ("report", {"moeshrink.report"}),
+    ("entry points", {"moeshrink", "moeshrink.stages", "moeshrink.smk", "moeshrink.cli", "moeshrink.__main__"}),
+]
+# What the serve_prediction, serve_memory, eval, compare and report jobs and `moeshrink plan` import
+# (the evals speak HTTP; lm-eval is imported only by the two evals that run it).
+TORCH_FREE = ["moeshrink.smk", "moeshrink.stages", "moeshrink.cli", "moeshrink.serve.planner",
+              "moeshrink.serve.served_memory", "moeshrink.serve.supervisor", "moeshrink.serve.server_lease",
+              "moeshrink.evals.run", "moeshrink.compare.paired", "moeshrink.report.render", "moeshrink.core.stats"]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for base, package in [(ROOT, "moeshrink"), (ROOT / "kernels", "moeshrink_kernels")]:
+        for path in (base / package).rglob("*.py"):
+            name = ".".join(path.relative_to(base).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports, anywhere in its body."""
+    known = modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in known.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {resolve(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {resolve(f"{node.module}.{alias.name}") for alias in node.names}
+        graph[name] = targets - {None, name}
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or (module.startswith(prefix + ".") and prefix != "moeshrink"):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    if best is None:
+        raise AssertionError(f"{module} belongs to no layer: place it in tests/test_layout.py's LAYERS")
+    return best[0]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            if component:
+                found.append(sorted([node, *component]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(import_graph()) == []
+
+
+def test_cycles_are_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_stage_imports_only_the_stages_before_it():
+    graph = import_graph()
+    upward = [f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+              for module, targets in sorted(graph.items()) for target in sorted(targets)
+              if layer_of(target) > layer_of(module)]
+    assert upward == []
+
+
+def test_a_later_stage_imported_from_an_earlier_one_is_caught():
+    assert layer_of("moeshrink.core.config") < layer_of("moeshrink.serve.planner")
+    with pytest.raises(AssertionError, match="belongs to no layer"):
+        layer_of("moeshrink_other.x")
+
+
+def test_header_and_http_jobs_never_import_torch():  # nor vLLM, transformers or lm-eval
+    code = ("import importlib, sys\n"
+            f"for name in {TORCH_FREE!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers', 'lm_eval') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_ruff_passes():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (the test extra installs it)")
+    result = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
