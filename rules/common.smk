@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moeshrink.compare.paired import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
-from moeshrink.core.layout import results_dir
+from moeshrink.core.layout import report_file, results_dir
 from moeshrink.report.report_inputs import input_files as report_input_files
 from moeshrink.core.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
                                    organism_train_params, report_params, serve_params)

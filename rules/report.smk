@@ -17,3 +17,19 @@ rule report:
         runtime=10,
     script:
         "../scripts/report.py"
+
+
+# report/r013.html, the target of the README's main command: a copy of the configured study's page (each
+# study's own stays at report/<run>/r013.html). `run` is its param, so switching studies refreshes it.
+rule report_latest:
+    input:
+        report_file(config).as_posix(),
+    output:
+        "report/r013.html",
+    params:
+        run=RUN,
+    log:
+        "logs/report_latest.log",
+    localrule: True
+    shell:
+        "cp {input} {output} 2> {log}"

@@ -149,6 +149,7 @@ ROWS = [
 
 def test_a_noop_rerun_schedules_nothing(workdir):
     assert dry_run_jobs(workdir) == []
+    assert dry_run_jobs(workdir, target="report/r013.html") == []  # the main command's copy of it
 
 
 @pytest.mark.parametrize("what, change, expected", [pytest.param(*row, id=row[0]) for row in ROWS])
@@ -161,14 +162,15 @@ def test_one_changed_key_reruns_exactly_what_reads_it(workdir, what, change, exp
 
 
 def test_another_run_name_is_a_study_of_its_own(workdir):
-    """A config with another `run` name finds none of the finished study's files: a dry run schedules
-    the whole workflow again, every output under its own folders; its rules cannot even name the
-    first study's report."""
+    """A config with another `run` name finds none of the finished study's files: the main command's
+    dry run schedules the whole workflow again, every output under its own folders, and the copy at
+    report/r013.html (its `run` param changed); its rules cannot even name the first study's report."""
     config = copy.deepcopy(_config(workdir))
     config["run"] = "second"
-    jobs = dry_run_jobs(workdir, config, target="report/second/r013.html")
+    jobs = dry_run_jobs(workdir, config, target="report/r013.html")
     rules = {rule for rule, _ in jobs}
-    assert {"organism_data", "upstream", "build_plan", "serve_memory", "eval", "compare", "report"} <= rules, rules
+    assert {"organism_data", "upstream", "build_plan", "serve_memory", "eval", "compare", "report",
+            "report_latest"} <= rules, rules
     assert all(wildcards.get("run", "second") == "second" for _, wildcards in jobs)
     (workdir / "changed.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     foreign = subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/organism/r013.html", "--configfile",
