@@ -112,7 +112,7 @@ def test_decoding_ignores_the_default_dtype_it_is_imported_under(tmp_path):
     packed, mx_scales = mxfp4.encode(weight)
     torch.save({"codes": codes, "scales": scales, "packed": packed, "mx_scales": mx_scales}, tmp_path / "in.pt")
     script = ("import torch; torch.set_default_dtype(torch.bfloat16)\n"
-              "from moeshrink import mxfp4, twx\n"
+              "from moeshrink.formats import mxfp4, twx\n"
               f"d = torch.load({str(tmp_path / 'in.pt')!r})\n"
               "torch.save({'twx': twx.decode(d['codes'], d['scales'], torch.bfloat16),"
               " 'mxfp4': mxfp4.decode(d['packed'], d['mx_scales'], torch.float32)}, "
