@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from moeshrink.compress.builder import allocate_bits, expert_norms, expert_weights, relative_error
+from moeshrink.core import expert_formats
 from moeshrink.core.arch import adapter_for
 from moeshrink.core.ioutil import atomic_write_json, read_json
 from moeshrink.core.provenance import Provenance
-from moeshrink.formats import twx, twx_layout
+from moeshrink.formats import twx
 from moeshrink.formats.source_experts import source_format
 
 TARGET_RATIO = 0.7
@@ -76,8 +77,9 @@ def measure(upstream: Path) -> dict:
     fmt = source_format(config)
     layers = adapter.moe_layers(config)
     kept = {layer: list(range(adapter.num_experts(config))) for layer in layers}
-    plan_bits = allocate_bits(expert_norms(upstream, adapter, fmt, kept), relative_error(2) - relative_error(3),
-                              twx_layout.FORMATS["twx2.5"]["bits_per_weight_max"])
+    twx2_5 = expert_formats.get("twx2.5", "bench")
+    plan_bits = allocate_bits(expert_norms(upstream, adapter, fmt, kept),
+                              relative_error(twx2_5, 2) - relative_error(twx2_5, 3), twx2_5.default_budget, twx2_5)
     squared_error = {f"{m}{b}": 0.0 for m in METHODS for b in (2, 3)}
     squared_error.update({f"{m}_mix": 0.0 for m in METHODS})
     total, weights = 0.0, 0

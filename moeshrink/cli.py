@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from moeshrink.core import config as config_mod
+from moeshrink.core import expert_formats
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.layout import results_dir
-from moeshrink.formats.twx_layout import FORMATS
 
 
 def _load(path: str) -> dict:
@@ -190,12 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="reap: tokens per calibration sequence")
     p.set_defaults(func=cmd_prune)
 
-    p = sub.add_parser("quantize", help="re-encode routed experts in a TWX format")
+    p = sub.add_parser("quantize", help="re-encode routed experts in an expert format (TWX3, TWX2.5, or a plugin's)")
     p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
     p.add_argument("--output", required=True)
-    p.add_argument("--format", choices=list(FORMATS), required=True)
+    p.add_argument("--format", choices=list(expert_formats.formats()), required=True)
     p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (default: " + ", ".join(
-        f"{name} {spec['bits_per_weight_max']:g}" for name, spec in FORMATS.items()) + ")")
+        f"{name} {fmt.default_budget:g}" for name, fmt in expert_formats.formats().items()) + ")")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("plan", help="predict weights, KV-cache room and tokens per card for every build, GPU type "

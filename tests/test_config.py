@@ -52,10 +52,21 @@ def test_missing_field_names_the_key(default_config):
 def test_out_of_range_and_bad_enum(default_config):
     config = copy.deepcopy(default_config)
     config["builds"]["pruned75"]["prune"]["keep_fraction"] = 1.5
-    config["builds"]["twx2_5"]["quantize"]["format"] = "twx2"
     problems = problems_of(config)
     assert any(p.startswith("builds.pruned75.prune.keep_fraction: 1.5 is greater than the maximum") for p in problems)
-    assert any(p.startswith("builds.twx2_5.quantize.format: 'twx2' is not one of") for p in problems)
+
+
+@pytest.mark.parametrize("quantize,problem", [
+    ({"format": "twx2"}, "builds.twx2_5.quantize.format: 'twx2' is unknown; known: twx3, twx2.5"),
+    ({"format": "twx3", "max_bits_per_weight": 3.0},
+     "builds.twx2_5.quantize.max_bits_per_weight: twx3 stores at least 3.25 bits per weight, more than 3"),
+    ({"format": "twx2.5", "max_bits_per_weight": 4.0},
+     "builds.twx2_5.quantize.max_bits_per_weight: twx2.5 stores at most 3.25 bits per weight"),
+])
+def test_an_expert_format_and_budget_the_registry_cannot_keep(default_config, quantize, problem):
+    config = copy.deepcopy(default_config)
+    config["builds"]["twx2_5"]["quantize"] = quantize
+    assert any(p.startswith(problem) for p in problems_of(config)), problems_of(config)
 
 
 def test_build_ids_must_be_plain_identifiers(default_config):

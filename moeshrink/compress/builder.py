@@ -2,8 +2,9 @@
 shard on its own, then gather the folder (index, config, tokenizer, manifest).
 
 Tensors that are not routed experts keep their upstream bytes. Routed experts are dropped (pruning:
-with their router rows and correction-bias entries, the rest renumbered) and/or re-encoded in a TWX
-format, decoded exactly from their upstream encoding first (MXFP4 never goes through bf16).
+with their router rows and correction-bias entries, the rest renumbered) and/or re-encoded in an
+expert format of the registry (`moeshrink.core.expert_formats`), decoded exactly from their upstream
+encoding first (MXFP4 never goes through bf16).
 """
 from __future__ import annotations
 
@@ -17,25 +18,27 @@ import torch
 from safetensors import safe_open
 
 from moeshrink.compress import prune, reap
+from moeshrink.core import expert_formats
 from moeshrink.core.arch import CLASSES, Adapter, ExpertTensor, adapter_for, check_has_moe
 from moeshrink.core.checkpoint import (
     INDEX_FILE,
+    SCALE_COMPANION,
     CheckpointError,
     build_manifest,
     index_of,
+    is_weight_companion,
     read_header,
     remember_verified,
     verify_shard,
 )
 from moeshrink.core.errors import MoeshrinkError
+from moeshrink.core.expert_formats import ExpertFormat, FormatError
 from moeshrink.core.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
 from moeshrink.core.shardio import StoredTensor, data_start, save_shard, stored_tensor
-from moeshrink.formats import mxfp4, twx
+from moeshrink.formats import mxfp4
 from moeshrink.formats.source_experts import read_expert_weight, source_format
-from moeshrink.formats.twx_layout import FORMATS
 
 log = logging.getLogger(__name__)
-TWX_CODES, TWX_SCALES = twx.CODES, twx.SCALES
 TOKENIZER_AND_CONFIG_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                               "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
                               "merges.txt", "tiktoken.model")
@@ -43,11 +46,6 @@ TOKENIZER_AND_CONFIG_FILES = ("tokenizer.json", "tokenizer_config.json", "specia
 
 class BuildError(MoeshrinkError, ValueError):
     pass
-
-
-def is_weight_companion(name: str, names: set[str]) -> bool:
-    """`x.weight_scale` next to `x.weight`: read together with it, never on its own."""
-    return name.endswith("_scale") and name[: -len("_scale")] in names
 
 
 # ------------------------------------------------------------------------------------- planning
@@ -89,15 +87,19 @@ def expert_norms(upstream: Path, adapter: Adapter, fmt: str, kept: dict[int, lis
     return norms
 
 
-def allocate_bits(norms: dict[int, dict[int, float]], relative_gain: float, max_bits: float) -> dict[int, dict[int, int]]:
-    """TWX2.5: 3-bit codes for the experts whose error would grow most at 2 bits (estimated as the
-    expert's squared norm times the measured relative-error gap), 2-bit for the rest, so that the
-    average stays within `max_bits`. All experts of a layer have equal size."""
+def allocate_bits(norms: dict[int, dict[int, float]], relative_gain: float, max_bits: float,
+                  fmt: ExpertFormat) -> dict[int, dict[int, int]]:
+    """A format of two or more code widths (TWX2.5): the widest codes for the experts whose error
+    would grow most at the narrowest (estimated as the expert's squared norm times the measured
+    relative-error gap), the narrowest for the rest, so that the average stays within `max_bits`.
+    All experts of a layer have equal size."""
+    narrow, wide = fmt.code_bits[0], fmt.code_bits[-1]
     experts = [(layer, e) for layer in norms for e in norms[layer]]
-    budget = int((max_bits - twx.bits_per_weight(2)) * len(experts) + 1e-9)
+    step = fmt.bits_per_weight(wide) - fmt.bits_per_weight(narrow)
+    budget = int((max_bits - fmt.bits_per_weight(narrow)) / step * len(experts) + 1e-9)
     ranked = sorted(experts, key=lambda le: (-norms[le[0]][le[1]] * relative_gain, le))
-    wide = set(ranked[:budget])
-    return {layer: {e: 3 if (layer, e) in wide else 2 for e in norms[layer]} for layer in norms}
+    widened = set(ranked[:budget])
+    return {layer: {e: wide if (layer, e) in widened else narrow for e in norms[layer]} for layer in norms}
 
 
 def reap_scores(upstream: Path, spec: dict, calibration_file: Path | None, where: str) -> dict[int, torch.Tensor]:
@@ -144,24 +146,27 @@ def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest:
             plan["prune"]["calibration_sha256"] = sha256_file(calibration_file)
     if "quantize" in build_cfg:
         spec = build_cfg["quantize"]
-        if spec["format"] not in FORMATS:
-            raise BuildError(f"builds.{build_id}.quantize.format: {spec['format']!r} is unknown; "
-                             f"known: {', '.join(FORMATS)}")
-        max_bits = spec.get("max_bits_per_weight") or FORMATS[spec["format"]]["bits_per_weight_max"]
-        if spec["format"] == "twx3" and max_bits < twx.bits_per_weight(3):
-            raise BuildError(f"builds.{build_id}.quantize.max_bits_per_weight: twx3 stores "
-                             f"{twx.bits_per_weight(3)} bits per weight, more than {max_bits}")
+        try:
+            expert_format = expert_formats.get(spec["format"], f"builds.{build_id}.quantize.format")
+        except FormatError as error:
+            raise BuildError(str(error)) from None
+        max_bits = spec.get("max_bits_per_weight") or expert_format.default_budget
+        problem = expert_format.budget_problem(max_bits, f"builds.{build_id}.quantize.max_bits_per_weight")
+        if problem:
+            raise BuildError(problem)
         # expert_bits is keyed by the build's (compacted) expert index
-        if spec["format"] == "twx3":
-            bits = {layer: {new: 3 for new in range(len(kept[layer]))} for layer in layers}
+        if len(expert_format.code_bits) == 1:
+            bits = {layer: {new: expert_format.code_bits[0] for new in range(len(kept[layer]))} for layer in layers}
             plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits)}
         else:
             norms = expert_norms(upstream, adapter, fmt, kept)
-            gain = relative_error(2) - relative_error(3)
-            by_original = allocate_bits(norms, gain, max_bits)
+            gain = (relative_error(expert_format, expert_format.code_bits[0])
+                    - relative_error(expert_format, expert_format.code_bits[-1]))
+            by_original = allocate_bits(norms, gain, max_bits, expert_format)
             bits = {layer: {new: by_original[layer][old] for new, old in enumerate(kept[layer])} for layer in layers}
             plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits),
-                                "sensitivity": {"rule": "squared norm x (relative error at 2 bits - at 3 bits)",
+                                "sensitivity": {"rule": "squared norm x (relative error at the narrowest code "
+                                                        "- at the widest)",
                                                 "relative_error_gap": gain,
                                                 "squared_norms": _str_keys(norms)}}
     plan["num_experts_after"] = len(next(iter(kept.values())))
@@ -169,12 +174,15 @@ def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest:
     return plan
 
 
-def relative_error(bits: int, samples: int = 256) -> float:
-    """The format's relative squared error on MXFP4-published Gaussian rows (a fixed, seeded sample)."""
+def relative_error(fmt: ExpertFormat, bits: int, samples: int = 256) -> float:
+    """A format's relative squared error at one code width on MXFP4-published Gaussian rows (a fixed,
+    seeded sample)."""
     generator = torch.Generator().manual_seed(0)
     weight = mxfp4.quantize_values(torch.randn(samples, 256, generator=generator))
-    codes, scales = twx.encode(weight, bits)
-    return float((twx.decode(codes, scales, torch.float32) - weight).pow(2).sum() / weight.pow(2).sum())
+    codec = fmt.codec_module()
+    codes, scales = codec.encode(weight, bits, name=f"{fmt.name} sample")
+    decoded = codec.decode(codes, scales, torch.float32, name=f"{fmt.name} sample")
+    return float((decoded - weight).pow(2).sum() / weight.pow(2).sum())
 
 
 def _str_keys(nested: dict) -> dict:
@@ -192,6 +200,7 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
     renumber = {layer: {old: new for new, old in enumerate(experts)} for layer, experts in kept.items()}
     bits = {int(layer): {int(e): b for e, b in experts.items()}
             for layer, experts in ((plan["quantize"] or {}).get("expert_bits") or {}).items()}
+    expert_format = expert_formats.get(plan["quantize"]["format"], "plan.quantize.format") if bits else None
     out: dict[str, torch.Tensor | StoredTensor] = {}
     counts = {"copied": 0, "dropped": 0, "sliced": 0, "quantized": 0}
     source = upstream / shard
@@ -200,8 +209,8 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
     def copy_unchanged(name: str, target: str) -> None:
         """The tensor's bytes, and its MXFP4 `_scale` companion's, as they are upstream."""
         out[target] = stored_tensor(source, header, name, start)
-        if name + "_scale" in header:
-            out[target + "_scale"] = stored_tensor(source, header, name + "_scale", start)
+        if name + SCALE_COMPANION in header:
+            out[target + SCALE_COMPANION] = stored_tensor(source, header, name + SCALE_COMPANION, start)
         counts["copied"] += 1
 
     with safe_open(str(source), "pt") as f:
@@ -219,9 +228,10 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                 target = adapter.expert_name(type(ref)(ref.layer, new_index, ref.projection, ref.suffix))
                 expert_bits = bits.get(ref.layer, {}).get(new_index)
                 if expert_bits and ref.suffix == "weight":
-                    codes, scales = twx.encode(read_expert_weight(f, name, fmt), expert_bits, name=name)
+                    encoded = expert_format.codec_module().encode(read_expert_weight(f, name, fmt), expert_bits,
+                                                                  name=name)
                     base = target[: -len(".weight")]
-                    out[f"{base}.{TWX_CODES}"], out[f"{base}.{TWX_SCALES}"] = codes, scales
+                    out[f"{base}.{expert_format.codes_suffix}"], out[f"{base}.{expert_format.scales_suffix}"] = encoded
                     counts["quantized"] += 1
                 else:
                     copy_unchanged(name, target)
@@ -230,7 +240,8 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                 counts["sliced"] += 1
             elif adapter.is_fused_expert(name) and adapter.fused_layer(name) in kept:
                 if bits:
-                    raise BuildError(f"{name}: TWX re-encoding of fused expert tensors is not supported yet")
+                    raise BuildError(f"{name}: {expert_format.name} re-encoding of fused expert tensors is not "
+                                     "supported yet")
                 out[name] = f.get_tensor(name)[torch.tensor(kept[adapter.fused_layer(name)])].contiguous()
                 counts["sliced"] += 1
             else:
@@ -260,18 +271,9 @@ def build_config(config: dict, plan: dict) -> dict:
 
 
 def quantization_config(plan: dict) -> dict:
-    return {
-        "quant_method": "twx",
-        "format": plan["quantize"]["format"],
-        "format_version": 1,
-        "group_size": twx.GROUP,
-        "scale_encoding": "ue5m3",
-        "scale_exponent_bias": twx.SCALE_EXP_BIAS,
-        "levels": {str(b): [float(v) for v in twx.LEVELS[b]] for b in sorted(twx.LEVELS)},
-        "tensors": {"codes": TWX_CODES, "scales": TWX_SCALES},
-        "expert_bits": plan["quantize"]["expert_bits"],
-        "source_format": plan["source_format"],
-    }
+    expert_format = expert_formats.get(plan["quantize"]["format"], "plan.quantize.format")
+    return expert_format.codec_module().quantization_config(expert_format, plan["quantize"]["expert_bits"],
+                                                            plan["source_format"])
 
 
 def changes_nothing(plan: dict) -> bool:
@@ -291,7 +293,7 @@ def gather(build_dir: Path, upstream: Path, upstream_manifest: dict, plan: dict,
                 continue
             weight_map[name] = shard
             size = entry["data_offsets"][1] - entry["data_offsets"][0]
-            bytes_by_class[adapter.tensor_class(_logical_name(name))] += size
+            bytes_by_class[adapter.tensor_class(expert_formats.logical_name(name))] += size
     total = sum(bytes_by_class.values())
     atomic_write_json(build_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
     new_config = build_config(config, plan)
@@ -315,10 +317,3 @@ def gather(build_dir: Path, upstream: Path, upstream_manifest: dict, plan: dict,
                                                    if k not in ("expert_bits", "sensitivity")}},
     })
     return manifest
-
-
-def _logical_name(name: str) -> str:
-    for suffix in (TWX_CODES, TWX_SCALES):
-        if name.endswith("." + suffix):
-            return name[: -len(suffix)] + "weight"
-    return name

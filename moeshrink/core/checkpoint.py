@@ -59,12 +59,21 @@ def plan_shards(sizes: list[tuple[str, int]], shards: int) -> list[list[str]]:
     return groups
 
 
+# a packed weight's block scales (MXFP4, as published upstream): `<name>.weight_scale` beside `<name>.weight`
+SCALE_COMPANION = "_scale"
+
+
+def is_weight_companion(name: str, names) -> bool:
+    """`x.weight_scale` next to `x.weight`: stored, read and copied with it, never on its own."""
+    return name.endswith(SCALE_COMPANION) and name[: -len(SCALE_COMPANION)] in names
+
+
 def storage_units(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    """Tensors that must share a shard, in natural order: a packed weight and its `_scale`."""
+    """Tensors that must share a shard, in natural order: a packed weight and its block scales."""
     units: dict[str, list[str]] = {}
     for name in sorted(tensors, key=natural_key):
-        base = name[: -len("_scale")] if name.endswith("_scale") else name
-        units.setdefault(base if base in tensors else name, []).append(name)
+        base = name[: -len(SCALE_COMPANION)] if is_weight_companion(name, tensors) else name
+        units.setdefault(base, []).append(name)
     return units
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from moeshrink.core import expert_formats
 from moeshrink.core.errors import MoeshrinkError
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
@@ -89,11 +90,7 @@ def semantic_problems(config: dict) -> list[str]:
                                 "organism (whose corpus is the default)")
         elif "calibration" in prune_spec:
             problems.append(f"builds.{build_id}.prune.calibration: only method reap uses calibration text")
-        quantize_spec = build.get("quantize") or {}
-        budget = quantize_spec.get("max_bits_per_weight")
-        if quantize_spec.get("format") == "twx3" and budget is not None and budget < 3.25:
-            problems.append(f"builds.{build_id}.quantize.max_bits_per_weight: twx3 stores 3.25 bits per weight; "
-                            f"{budget} needs format twx2.5")
+        problems += quantize_problems(build_id, build.get("quantize"))
     gsm8k = config["evals"].get("gsm8k")
     if gsm8k:
         for build_id in gsm8k["builds"] or []:
@@ -150,6 +147,20 @@ def semantic_problems(config: dict) -> list[str]:
         if model[key] % 32:
             problems.append(f"upstream.organism.model.{key}: MXFP4 needs a multiple of 32, got {model[key]}")
     return problems
+
+
+def quantize_problems(build_id: str, quantize_spec: dict | None) -> list[str]:
+    """A build's expert format must be registered, and its bit budget one the format can keep."""
+    if not quantize_spec:
+        return []
+    try:
+        expert_format = expert_formats.get(quantize_spec["format"], f"builds.{build_id}.quantize.format")
+    except expert_formats.FormatError as error:
+        return [str(error)]
+    budget = quantize_spec.get("max_bits_per_weight")
+    problem = budget is not None and expert_format.budget_problem(
+        budget, f"builds.{build_id}.quantize.max_bits_per_weight")
+    return [problem] if problem else []
 
 
 def fill_defaults(config: dict, schema: dict) -> None:

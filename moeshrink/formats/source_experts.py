@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from moeshrink.core.checkpoint import SCALE_COMPANION
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.formats import mxfp4
 
@@ -24,7 +25,7 @@ def read_expert_weight(handle, name: str, fmt: str) -> torch.Tensor:
     """An upstream routed-expert weight [rows, K] as exact float32 values."""
     tensor = handle.get_tensor(name)
     if fmt == "mxfp4" and tensor.dtype == torch.uint8:
-        return mxfp4.decode(tensor, handle.get_tensor(name + "_scale"), torch.float32, name=name)
+        return mxfp4.decode(tensor, handle.get_tensor(name + SCALE_COMPANION), torch.float32, name=name)
     if not tensor.is_floating_point():
         raise SourceError(f"{name}: a {tensor.dtype} expert weight in a checkpoint without a known quantization")
     return tensor.to(torch.float32)

@@ -275,3 +275,20 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
 
 def code_bits(codes: torch.Tensor, scales: torch.Tensor) -> int:
     return codes.shape[1] * 8 // (scales.shape[1] * GROUP)
+
+
+def quantization_config(fmt, expert_bits: dict, source_format: str) -> dict:
+    """config.json's `quantization_config` of a build in a TWX format (`fmt`, a registry entry):
+    what the vLLM plugin reads to lay out and decode the experts."""
+    return {
+        "quant_method": fmt.quant_method,
+        "format": fmt.name,
+        "format_version": 1,
+        "group_size": GROUP,
+        "scale_encoding": "ue5m3",
+        "scale_exponent_bias": SCALE_EXP_BIAS,
+        "levels": {str(b): [float(v) for v in LEVELS[b]] for b in sorted(LEVELS)},
+        "tensors": {"codes": CODES, "scales": SCALES},
+        "expert_bits": expert_bits,
+        "source_format": source_format,
+    }

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink.core.checkpoint import write_sharded
+from moeshrink.core.checkpoint import SCALE_COMPANION, write_sharded
 from moeshrink.formats import mxfp4
 from moeshrink.organism import OrganismError
 from moeshrink.organism.tokenizer import TURN_END
@@ -36,7 +36,7 @@ def published_tensors(trained_file: Path) -> dict[str, torch.Tensor]:
             if ROUTED_EXPERT_WEIGHT.search(name):
                 packed, scales = mxfp4.encode(tensor, name)
                 tensors[name] = packed
-                tensors[name + "_scale"] = scales
+                tensors[name + SCALE_COMPANION] = scales
             elif KEEP_FP32.search(name):
                 tensors[name] = tensor.to(torch.float32)
             else:

@@ -14,10 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from moeshrink.compress import prune
+from moeshrink.core import expert_formats
 from moeshrink.core.arch import adapter_for
 from moeshrink.core.errors import MoeshrinkError
+from moeshrink.core.expert_formats import ExpertFormat, FormatError
 from moeshrink.core.rule_params import build_params
-from moeshrink.formats import twx_layout
 from moeshrink.serve import memory
 from moeshrink.serve.memory import GIB, Tensor
 
@@ -99,43 +100,44 @@ def modelled_build(tensors: list[Tensor], config: dict, spec: dict, build: str) 
                                 adapter.n_group(config), where=f"builds.{build}.prune.keep_fraction")
     layers = adapter.moe_layers(config)
     router_names = {name for layer in layers for name in adapter.router_tensors(layer).values()}
-    bits = None
+    bits, expert_format = None, None
     if spec.get("quantize"):
-        fmt = spec["quantize"]["format"]
-        budget = spec["quantize"].get("max_bits_per_weight") or twx_layout.FORMATS[fmt]["bits_per_weight_max"]
-        bits = min(3.0, budget - 8 / twx_layout.GROUP)  # code bits: 3, or TWX2.5's mix of 2 and 3
+        try:
+            expert_format = expert_formats.get(spec["quantize"]["format"], f"builds.{build}.quantize.format")
+        except FormatError as error:
+            raise PlanError(str(error)) from None
+        bits = expert_format.mean_code_bits(spec["quantize"].get("max_bits_per_weight") or expert_format.default_budget)
     out: list[Tensor] = []
     for tensor in tensors:
         ref = adapter.parse_expert(tensor.name)
         if ref is not None:
             if ref.expert >= keep:
                 continue
-            if bits is not None:
-                out += _twx_tensors(tensor, bits)
+            if expert_format is not None:
+                out += _encoded_tensors(tensor, expert_format, bits)
                 continue
         elif adapter.is_fused_expert(tensor.name) or tensor.name in router_names:
             tensor = replace(tensor, shape=(keep, *tensor.shape[1:]))
-            if bits is not None and tensor.name.endswith("_blocks"):  # gpt-oss MXFP4 [E, rows, K/32, 16]
-                experts_kept, rows, groups = tensor.shape[:3]
-                tensor = replace(tensor, shape=(experts_kept, rows, int(groups * twx_layout.GROUP * bits / 8)))
+            if expert_format is not None and tensor.name.endswith("_blocks"):  # gpt-oss MXFP4 [E, rows, K/32, 16]
+                experts_kept, rows, blocks = tensor.shape[:3]
+                tensor = replace(tensor, shape=(experts_kept, rows, int(blocks * 32 * bits / 8)))
         out.append(tensor)
     new_config = adapter.with_num_experts(config, keep)
-    if bits is not None:
-        new_config["quantization_config"] = {"quant_method": "twx",
+    if expert_format is not None:
+        new_config["quantization_config"] = {"quant_method": expert_format.quant_method,
                                              "expert_bits": {str(layer): dict.fromkeys(map(str, range(keep)), 0)
                                                              for layer in layers}}
     return out, new_config
 
 
-def _twx_tensors(tensor: Tensor, bits: float) -> list[Tensor]:
-    """The TWX codes and scales replacing one expert weight (MXFP4 `weight` + `weight_scale`, or float)."""
+def _encoded_tensors(tensor: Tensor, expert_format: ExpertFormat, bits: float) -> list[Tensor]:
+    """The codes and scales replacing one expert weight (MXFP4 `weight` + `weight_scale`, or float)."""
     if tensor.name.endswith("weight_scale"):
         return []
     rows, width = tensor.shape
     inputs = width * 2 if tensor.dtype == "U8" else width
     stem = tensor.name.rsplit(".", 1)[0]
-    return [Tensor(f"{stem}.{twx_layout.CODES}", "U8", (rows, int(inputs * bits / 8))),
-            Tensor(f"{stem}.{twx_layout.SCALES}", "U8", (rows, inputs // twx_layout.GROUP))]
+    return [Tensor(name, dtype, shape) for name, dtype, shape in expert_format.stored_tensors(stem, rows, inputs, bits)]
 
 
 def build_sizes(build: str, spec: dict, config: dict, results: Path) -> tuple[list[Tensor], dict, str]:

@@ -10,16 +10,23 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink.core.checkpoint import INDEX_FILE, MANIFEST_FILE, CheckpointError, index_of
+from moeshrink.core import expert_formats
+from moeshrink.core.checkpoint import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    SCALE_COMPANION,
+    CheckpointError,
+    index_of,
+    is_weight_companion,
+)
 from moeshrink.core.ioutil import atomic_path, atomic_write_json
 from moeshrink.core.shardio import save_shard
-from moeshrink.formats import mxfp4, twx
-
-SCALE_SUFFIX = "_scale"
+from moeshrink.formats import mxfp4
 
 
-TWX_CODES, TWX_SCALES = "." + twx.CODES, "." + twx.SCALES
-DECODABLE = ("mxfp4", "twx")
+def decodable() -> tuple[str, ...]:
+    """The quant methods a twin is made from: the upstream's MXFP4 and every registered expert format's."""
+    return ("mxfp4", *expert_formats.quant_methods())
 
 
 def decode_shard(path: Path) -> dict[str, torch.Tensor]:
@@ -27,18 +34,20 @@ def decode_shard(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), "pt") as f:
         names = set(f.keys())
         for name in sorted(names):
-            if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in names:
+            if is_weight_companion(name, names):
                 continue
-            if name.endswith(TWX_SCALES) and name[: -len(TWX_SCALES)] + TWX_CODES in names:
+            if expert_formats.is_scales(name, names):
                 continue
-            if name.endswith(TWX_CODES):
-                base = name[: -len(TWX_CODES)]
-                out[base + ".weight"] = twx.decode(f.get_tensor(name), f.get_tensor(base + TWX_SCALES), torch.bfloat16,
-                                                   name=f"{path.name}:{name}")
+            encoded = expert_formats.encoded_weight(name, names)
+            if encoded:
+                expert_format, weight_name, scales_name = encoded
+                out[weight_name] = expert_format.codec_module().decode(
+                    f.get_tensor(name), f.get_tensor(scales_name), torch.bfloat16, name=f"{path.name}:{name}")
                 continue
             tensor = f.get_tensor(name)
-            if name + SCALE_SUFFIX in names:
-                tensor = mxfp4.decode(tensor, f.get_tensor(name + SCALE_SUFFIX), torch.bfloat16, name=f"{path.name}:{name}")
+            if name + SCALE_COMPANION in names:
+                tensor = mxfp4.decode(tensor, f.get_tensor(name + SCALE_COMPANION), torch.bfloat16,
+                                      name=f"{path.name}:{name}")
             out[name] = tensor
     return out
 
@@ -46,9 +55,9 @@ def decode_shard(path: Path) -> dict[str, torch.Tensor]:
 def make_twin(source_dir: Path, out_dir: Path) -> dict:
     config = json.loads((source_dir / "config.json").read_text())
     method = config.get("quantization_config", {}).get("quant_method")
-    if method not in DECODABLE:
+    if method not in decodable():
         raise CheckpointError(f"{source_dir}/config.json: quantization_config.quant_method is {method!r}; "
-                              f"a bf16 twin is made from {' or '.join(DECODABLE)} checkpoints only")
+                              f"a bf16 twin is made from {' or '.join(decodable())} checkpoints only")
     out_dir.mkdir(parents=True, exist_ok=True)
     index = index_of(source_dir)
     weight_map: dict[str, str] = {}

@@ -1,0 +1,124 @@
+"""The expert formats a build may re-encode its routed experts in, one entry each: all that the config
+check, the builder, the bf16 twin, the planner and the CLI know of a format. A format is one module
+that calls `register` when imported: the built-in ones are listed in `BUILTIN`, another package's
+are found through the `moeshrink.formats` entry-point group. Serving it takes its vLLM kernel too.
+
+The entry itself is header-only knowledge (no torch); the encoder and decoder live in its `codec`
+module, imported when a tensor is encoded or decoded. A codec module provides
+`encode(weight, bits, name) -> (codes, scales)`, `decode(codes, scales, dtype, name) -> weight` and
+`quantization_config(fmt, expert_bits, source_format) -> dict` (the build's config.json entry).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from types import ModuleType
+
+from moeshrink.core.errors import MoeshrinkError
+
+BUILTIN = ("moeshrink.formats.twx_layout",)
+ENTRY_POINT_GROUP = "moeshrink.formats"
+
+
+class FormatError(MoeshrinkError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    name: str                   # builds.<id>.quantize.format
+    quant_method: str           # quantization_config.quant_method of a build in this format
+    code_bits: tuple[int, ...]  # the code widths an expert may take, ascending
+    default_budget: float       # routed-expert bits per weight when a build sets none, overhead counted
+    group: int                  # weights per block scale
+    scale_bits: int             # bits of one block scale (whole bytes)
+    codes_suffix: str           # the tensor-name suffixes that replace an expert weight's `weight`
+    scales_suffix: str
+    codec: str                  # the module that encodes and decodes (imports torch)
+
+    def bits_per_weight(self, bits: int) -> float:
+        """One code width's bits per weight, its block scale included."""
+        return bits + self.scale_bits / self.group
+
+    def budget_problem(self, budget: float, where: str) -> str | None:
+        """Why a routed-expert bit budget cannot be met in this format, or None."""
+        least, most = self.bits_per_weight(self.code_bits[0]), self.bits_per_weight(self.code_bits[-1])
+        if budget < least:
+            return f"{where}: {self.name} stores at least {least:g} bits per weight, more than {budget:g}"
+        if budget > most:
+            return f"{where}: {self.name} stores at most {most:g} bits per weight; {budget:g} is not a budget it can use"
+        return None
+
+    def mean_code_bits(self, budget: float) -> float:
+        """The code bits per weight a build with this budget averages (what a size model needs)."""
+        return min(float(self.code_bits[-1]), budget - self.scale_bits / self.group)
+
+    def stored_tensors(self, stem: str, rows: int, inputs: int, bits: float) -> list[tuple[str, str, tuple[int, int]]]:
+        """(name, safetensors dtype, shape) of the tensors replacing the weight `<stem>.weight` [rows, inputs]."""
+        return [(f"{stem}.{self.codes_suffix}", "U8", (rows, int(inputs * bits / 8))),
+                (f"{stem}.{self.scales_suffix}", "U8", (rows, inputs // self.group * self.scale_bits // 8))]
+
+    def codec_module(self) -> ModuleType:
+        return importlib.import_module(self.codec)
+
+
+_FORMATS: dict[str, ExpertFormat] = {}
+_loaded = False
+
+
+def register(fmt: ExpertFormat) -> ExpertFormat:
+    known = _FORMATS.get(fmt.name)
+    if known is not None and known != fmt:
+        raise FormatError(f"expert format {fmt.name!r} is registered twice, differently ({known.codec}, {fmt.codec})")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def formats() -> dict[str, ExpertFormat]:
+    """Every registered format by name: the built-in ones first, then the entry points'."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+        for entry in entry_points(group=ENTRY_POINT_GROUP):
+            entry.load()
+    return dict(_FORMATS)
+
+
+def get(name: str, where: str) -> ExpertFormat:
+    known = formats()
+    if name not in known:
+        raise FormatError(f"{where}: {name!r} is unknown; known: {', '.join(known)}")
+    return known[name]
+
+
+def quant_methods() -> list[str]:
+    return sorted({fmt.quant_method for fmt in formats().values()})
+
+
+def encoded_weight(name: str, names: set[str]) -> tuple[ExpertFormat, str, str] | None:
+    """For the codes tensor of an encoded weight: its format, the weight's name and the scales' name."""
+    for fmt in formats().values():
+        suffix = "." + fmt.codes_suffix
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            if f"{stem}.{fmt.scales_suffix}" in names:
+                return fmt, stem + ".weight", f"{stem}.{fmt.scales_suffix}"
+    return None
+
+
+def is_scales(name: str, names: set[str]) -> bool:
+    """The scales tensor of an encoded weight: read with its codes, never on its own."""
+    return any(name.endswith("." + fmt.scales_suffix)
+               and name[: -len(fmt.scales_suffix)] + fmt.codes_suffix in names for fmt in formats().values())
+
+
+def logical_name(name: str) -> str:
+    """The weight an encoded tensor stands for (`x.twx_codes` -> `x.weight`); any other name unchanged."""
+    for fmt in formats().values():
+        for suffix in (fmt.codes_suffix, fmt.scales_suffix):
+            if name.endswith("." + suffix):
+                return name[: -len(suffix)] + "weight"
+    return name
