@@ -6,8 +6,8 @@ import re
 import sys
 from pathlib import Path
 
-from moeshrink.compare.paired import PAIRED_EVALS
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
+from moeshrink.core import eval_kinds
 from moeshrink.core.layout import report_file, results_dir
 from moeshrink.report.report_inputs import input_files as report_input_files
 from moeshrink.core.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
@@ -128,21 +128,8 @@ def eval_builds(eval_id):
 
 
 def eval_set_inputs(eval_id):
-    """The set files an eval reads (none for lm-eval's own tasks, which it loads itself)."""
-    spec = config["evals"][eval_id]
-    if eval_id == "mmlu":
-        return {"test": f"{ORGANISM_DATA}/mc_test.jsonl", "dev": f"{ORGANISM_DATA}/mc_dev.jsonl"} \
-            if spec["dataset"] == "organism" else {}
-    if eval_id == "gsm8k":
-        return {"test": f"{ORGANISM_DATA}/arith_test.jsonl", "train": f"{ORGANISM_DATA}/arith_train.jsonl"} \
-            if spec["dataset"] == "organism" else {}
-    if eval_id == "facts":
-        return {"passages": f"{ORGANISM_DATA}/passages_test.jsonl"}
-    if eval_id == "toolcalls":
-        return {"trials": f"{ORGANISM_DATA}/toolcalls_test.jsonl", "tools": f"{ORGANISM_DATA}/tools.json"}
-    if eval_id == "agreement":
-        return {"texts": spec["file"] or f"{ORGANISM_DATA}/corpus.jsonl"}
-    raise ValueError(eval_id)
+    """The set files an eval reads (its registry entry says which; none for lm-eval's own tasks)."""
+    return eval_kinds.get(eval_id).set_files(config["evals"][eval_id], ORGANISM_DATA)
 
 
 def after_reference(wildcards):
@@ -169,7 +156,7 @@ def compare_side_inputs(side, build, eval_ids):
     inputs = {}
     for eval_id in eval_ids:
         inputs[f"{side}_{eval_id}"] = f"results/{{run}}/evals/{build}/{eval_id}.json"
-        if eval_id in PAIRED_EVALS:
+        if eval_kinds.get(eval_id).paired:
             inputs[f"{side}_{eval_id}_records"] = f"results/{{run}}/evals/{build}/{eval_id}.jsonl"
     return inputs
 

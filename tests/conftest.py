@@ -1,5 +1,6 @@
 """Shared fixtures: a small organism data set, its tokenizer, and tiny random checkpoints."""
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -13,6 +14,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "organism"]
+
+
+def import_plugin(monkeypatch, registry, module: str):
+    """A plugin module of tests/ imported afresh for one test; its registry as it was afterwards."""
+    monkeypatch.setattr(registry, "by_name", dict(registry.entries()))
+    sys.modules.pop(module, None)
+    return importlib.import_module(module)
 
 
 def copy_workflow(work: Path, *extra: str) -> Path:

@@ -2,11 +2,11 @@
 its own module (tests/toy_format.py) and edited in nowhere else, is checked by the config, built,
 decoded into the bf16 twin and sized by the planner like TWX."""
 import copy
-import importlib
 import json
 
 import pytest
 import torch
+from conftest import import_plugin
 from test_quantize import all_tensors, make_build
 
 from moeshrink.core import expert_formats
@@ -18,12 +18,7 @@ from moeshrink.upstream.twin import make_twin
 
 @pytest.fixture
 def toy(monkeypatch):
-    """The toy format registered for one test, the registry as it was afterwards."""
-    monkeypatch.setattr(expert_formats, "_FORMATS", dict(expert_formats.formats()))
-    import toy_format
-
-    importlib.reload(toy_format)
-    return toy_format
+    return import_plugin(monkeypatch, expert_formats.REGISTRY, "toy_format")
 
 
 def test_the_builtin_formats_and_their_budgets():

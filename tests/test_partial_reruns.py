@@ -2,6 +2,7 @@
 the end-to-end test (the same session fixture), one key at a time; and one real rerun."""
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -14,15 +15,15 @@ import yaml
 pytestmark = pytest.mark.slow
 
 
-def dry_run_jobs(work: Path, config: dict | None = None, target: str = "report/organism/r013.html") -> list[tuple[str,
-                                                                                                                  dict]]:
+def dry_run_jobs(work: Path, config: dict | None = None, target: str = "report/organism/r013.html",
+                 env: dict | None = None) -> list[tuple[str, dict]]:
     """(rule, wildcards) of every job a dry run schedules, for config (or config.yaml as it is)."""
     args = [sys.executable, "-m", "snakemake", "-n", target]
     if config is not None:
         changed = work / "changed.yaml"
         changed.write_text(yaml.safe_dump(config, sort_keys=False))
         args += ["--configfile", str(changed)]
-    result = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     jobs: list[tuple[str, dict]] = []
     for line in result.stdout.splitlines():  # group jobs (a server and its evals) print indented
@@ -178,6 +179,36 @@ def test_another_run_name_is_a_study_of_its_own(workdir):
     said = foreign.stdout + foreign.stderr
     assert foreign.returncode != 0 and "No rule to produce report/organism/r013.html" in said, said[-2000:]
     assert dry_run_jobs(workdir) == []  # the first study is still complete
+
+
+def with_toy_eval() -> dict:
+    """The environment of a run whose config asks for tests/toy_eval.py's eval (a plugin on the path)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "MOESHRINK_PLUGINS": "toy_eval", "PYTHONPATH": path}
+
+
+def test_a_plugin_eval_is_scheduled_and_run_from_its_registry_entry_alone(workdir, tmp_path):
+    """tests/toy_eval.py registers an eval and is edited in nowhere else: a config that asks for it
+    schedules that eval for every build, then the compares and the report that read it, and nothing
+    else; run for one build, it leases the build's server, reads its set file and writes its records."""
+    config = copy.deepcopy(_config(workdir))
+    config["evals"]["toy"] = {"items": 6}
+    study = Study(workdir, config)
+    jobs = dry_run_jobs(workdir, config, env=with_toy_eval())
+    assert job_keys(jobs) == sorted([*(f"eval:build={b}:eval=toy" for b in study.builds), *study.compares(),
+                                     "report"])
+    work = tmp_path / "workflow"
+    shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml"))
+    (work / "toy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    ran = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "toy.yaml",
+                          "results/organism/evals/twx3/toy.json"], cwd=work, capture_output=True, text=True,
+                         timeout=900, env=with_toy_eval())
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
+    result = json.loads((work / "results/organism/evals/twx3/toy.json").read_text())
+    records = _lines(work / "results/organism/evals/twx3/toy.jsonl")
+    assert result["items"] == 6 and len(records) == 6 and result["metrics"]["accuracy"]["total"] == 6
+    assert all({"id", "correct", "doc_hash", "reply"} <= json.loads(line).keys() for line in records)
+    assert result["server"] and result["provenance"]
 
 
 def test_a_changed_eval_item_count_reruns_only_that_eval_and_starts_each_server_once(workdir, tmp_path):

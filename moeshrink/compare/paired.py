@@ -2,24 +2,23 @@
 `results/compare/{build}.json` (a build against the reference) and `results/compare/pairs/{a}_vs_{b}.json`
 (two builds against each other) hold.
 
-Knowledge and arithmetic (mmlu, gsm8k) are paired question by question: counts right only for each side,
-exact McNemar, the drop in points and its one-sided 95% upper bound ("at worst"), the smallest drop
-the comparison could detect, and, against the reference, a verdict on the pass mark the config fixed
-before the run: pass, fail, or cannot tell (with the reason) when the data cannot support either. Made-up facts and tool
-calls are independent samples: Fisher's exact test on the counts. Agreement and drift are already
-measured against the reference by the agreement eval; they are carried over with their intervals.
+The paired evals (their registry entries say so: mmlu, gsm8k) are compared question by question:
+counts right only for each side, exact McNemar, the drop in points and its one-sided 95% upper bound
+("at worst"), the smallest drop the comparison could detect, and, against the reference, a verdict on
+the pass mark the config fixed before the run: pass, fail, or cannot tell (with the reason) when the
+data cannot support either. Made-up facts and tool calls are independent samples: Fisher's exact test
+on the counts (the comparers their entries name). Agreement and drift are already measured against
+the reference by the agreement eval; they are carried over with their intervals.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from moeshrink.core import stats
+from moeshrink.core import eval_kinds, plugins, stats
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.ioutil import atomic_write_json, read_json
 from moeshrink.core.provenance import Provenance
-
-PAIRED_EVALS = ("mmlu", "gsm8k")
 
 
 class CompareError(MoeshrinkError, ValueError):
@@ -170,17 +169,15 @@ def compare(a_id: str, b_id: str, a_results: dict[str, dict], b_results: dict[st
     """Everything both builds measured, side b against side a. `judging` (pass mark and rule) only
     when side a is the reference."""
     evals: dict[str, dict] = {}
-    for eval_id in PAIRED_EVALS:
-        if eval_id in a_records and eval_id in b_records:
+    for eval_id, kind in eval_kinds.kinds().items():
+        if kind.paired and eval_id in a_records and eval_id in b_records:
             paired = paired_accuracy(eval_id, a_id, a_records[eval_id], b_id, b_records[eval_id])
             if judging:
                 paired.update(judge(paired, judging["pass_mark_points"], judging["pass_on"],
                                     chance_rate(a_records[eval_id])))
             evals[eval_id] = paired
-    if "facts" in a_results and "facts" in b_results:
-        evals["facts"] = made_up_facts(a_results["facts"], b_results["facts"])
-    if "toolcalls" in a_results and "toolcalls" in b_results:
-        evals["toolcalls"] = tool_calls(a_results["toolcalls"], b_results["toolcalls"])
+        elif kind.comparer and eval_id in a_results and eval_id in b_results:
+            evals[eval_id] = plugins.resolve(kind.comparer)(a_results[eval_id], b_results[eval_id])
     if judging and "agreement" in b_results:
         evals["agreement"] = agreement(b_results["agreement"])
     return {"a": a_id, "b": b_id, "evals": evals}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from moeshrink.core import expert_formats
+from moeshrink.core import eval_kinds, expert_formats
 from moeshrink.core.errors import MoeshrinkError
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
@@ -24,8 +24,14 @@ class ConfigError(MoeshrinkError, ValueError):
 
 
 def load_schema(path: Path = SCHEMA_PATH) -> dict:
+    """The schema file, with the config section of every registered eval it does not list (a plugin's)."""
     with open(path) as f:
-        return yaml.safe_load(f)
+        schema = yaml.safe_load(f)
+    eval_sections = schema["properties"]["evals"]["properties"]
+    for eval_id, kind in eval_kinds.kinds().items():
+        if eval_id not in eval_sections:
+            eval_sections[eval_id] = kind.schema or {"type": "object"}
+    return schema
 
 
 def _key_path(parts) -> str:

@@ -1,7 +1,8 @@
 """The expert formats a build may re-encode its routed experts in, one entry each: all that the config
 check, the builder, the bf16 twin, the planner and the CLI know of a format. A format is one module
-that calls `register` when imported: the built-in ones are listed in `BUILTIN`, another package's
-are found through the `moeshrink.formats` entry-point group. Serving it takes its vLLM kernel too.
+that calls `register` when imported: the built-in ones are listed in `REGISTRY`, others are found as
+`core.plugins` says (the `moeshrink.formats` entry-point group, MOESHRINK_PLUGINS). Serving it takes
+its vLLM kernel too.
 
 The entry itself is header-only knowledge (no torch); the encoder and decoder live in its `codec`
 module, imported when a tensor is encoded or decoded. A codec module provides
@@ -12,13 +13,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from types import ModuleType
 
+from moeshrink.core import plugins
 from moeshrink.core.errors import MoeshrinkError
-
-BUILTIN = ("moeshrink.formats.twx_layout",)
-ENTRY_POINT_GROUP = "moeshrink.formats"
 
 
 class FormatError(MoeshrinkError, ValueError):
@@ -63,35 +61,12 @@ class ExpertFormat:
         return importlib.import_module(self.codec)
 
 
-_FORMATS: dict[str, ExpertFormat] = {}
-_loaded = False
-
-
-def register(fmt: ExpertFormat) -> ExpertFormat:
-    known = _FORMATS.get(fmt.name)
-    if known is not None and known != fmt:
-        raise FormatError(f"expert format {fmt.name!r} is registered twice, differently ({known.codec}, {fmt.codec})")
-    _FORMATS[fmt.name] = fmt
-    return fmt
-
-
-def formats() -> dict[str, ExpertFormat]:
-    """Every registered format by name: the built-in ones first, then the entry points'."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN:
-            importlib.import_module(module)
-        for entry in entry_points(group=ENTRY_POINT_GROUP):
-            entry.load()
-    return dict(_FORMATS)
-
-
-def get(name: str, where: str) -> ExpertFormat:
-    known = formats()
-    if name not in known:
-        raise FormatError(f"{where}: {name!r} is unknown; known: {', '.join(known)}")
-    return known[name]
+# the built-in TWX3 and TWX2.5 register in twx_layout; other packages' formats come through the entry points
+REGISTRY = plugins.Registry("expert format", ("moeshrink.formats.twx_layout",), "moeshrink.formats",
+                            name=lambda fmt: fmt.name, origin=lambda fmt: fmt.codec, error=FormatError)
+register = REGISTRY.register
+formats = REGISTRY.entries
+get = REGISTRY.get
 
 
 def quant_methods() -> list[str]:

@@ -1,7 +1,7 @@
-"""The five evaluations, each against a build's running vLLM server (see rules/evals.smk)."""
+"""The evaluations, each against a build's running vLLM server (see rules/evals.smk): the five built-in
+ones (`kinds.py`) and any a plugin registers (`moeshrink.core.eval_kinds`)."""
+from moeshrink.core import eval_kinds
 from moeshrink.core.errors import MoeshrinkError
-
-EVALS = ("mmlu", "gsm8k", "facts", "toolcalls", "agreement")
 
 
 class EvalError(MoeshrinkError, RuntimeError):
@@ -10,7 +10,7 @@ class EvalError(MoeshrinkError, RuntimeError):
 
 def configured_evals(config: dict) -> list[str]:
     """The evals config asks for, in the report's order."""
-    return [eval_id for eval_id in EVALS if eval_id in config["evals"]]
+    return [eval_id for eval_id in eval_kinds.kinds() if eval_id in config["evals"]]
 
 
 def eval_builds(config: dict, eval_id: str) -> list[str]:

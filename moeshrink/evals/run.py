@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeshrink.core import eval_kinds, plugins
 from moeshrink.core.ioutil import read_json
 from moeshrink.core.provenance import Provenance
 from moeshrink.evals import EvalError, agreement, facts, harness, result, sets, toolcalls
@@ -28,6 +29,8 @@ class EvalJob:
     out_json: Path
     records: Path
     inputs: dict[str, Path]   # the eval set files, by name
+    reference_file: Path | None = None  # agreement: the reference's top-K (written by the reference's own job)
+    reference_build: str | None = None  # agreement: the build that file is of (None: this job is the reference)
 
     def provenance(self) -> Provenance:
         return Provenance(f"eval_{self.eval_id}", {self.eval_id: self.cfg, "client": self.client},
@@ -121,10 +124,11 @@ def agreement_texts(job: EvalJob) -> list[dict]:
     return agreement.pick_passages(texts, job.cfg["passages"], str(job.inputs["texts"]))
 
 
-def run_agreement_reference(job: EvalJob, reference_file: Path) -> dict:
+def run_agreement_reference(job: EvalJob) -> dict:
     """The reference reads the passages: its top-K is stored for every other build, then it reads
     them again and is compared with its own first reading (the serving noise floor)."""
     prov = job.provenance()
+    reference_file = job.reference_file
     vocab = read_json(job.build_dir / "config.json")["vocab_size"]
     passages = agreement_texts(job)
     token_ids = agreement.tokenize(job.build_dir, passages, job.cfg["max_tokens"])
@@ -145,8 +149,12 @@ def run_agreement_reference(job: EvalJob, reference_file: Path) -> dict:
                      reference_file=str(reference_file), source=str(job.inputs["texts"]))
 
 
-def run_agreement(job: EvalJob, reference_file: Path, reference_build: str) -> dict:
+def run_agreement(job: EvalJob) -> dict:
+    """Against the reference's stored top-K; the reference's own job reads the passages first."""
+    if job.reference_build is None:
+        return run_agreement_reference(job)
     prov = job.provenance()
+    reference_file, reference_build = job.reference_file, job.reference_build
     vocab = read_json(job.build_dir / "config.json")["vocab_size"]
     reference = agreement.load_reference(reference_file)
     if reference["top_k"] != job.cfg["top_k"] or len(reference["passage_ids"]) != job.cfg["passages"]:
@@ -157,10 +165,6 @@ def run_agreement(job: EvalJob, reference_file: Path, reference_build: str) -> d
                      reference_file=str(reference_file))
 
 
-def run(job: EvalJob, reference_file: Path | None = None, reference_build: str | None = None) -> dict:
-    if job.eval_id == "agreement":
-        if reference_build is None:
-            return run_agreement_reference(job, reference_file)
-        return run_agreement(job, reference_file, reference_build)
-    runners = {"mmlu": run_mmlu, "gsm8k": run_gsm8k, "facts": run_facts, "toolcalls": run_toolcalls}
-    return runners[job.eval_id](job)
+def run(job: EvalJob) -> dict:
+    """The eval's registered runner (`moeshrink.core.eval_kinds`)."""
+    return plugins.resolve(eval_kinds.get(job.eval_id).runner)(job)

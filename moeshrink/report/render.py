@@ -13,6 +13,7 @@ import pandas as pd
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
+from moeshrink.core import eval_kinds
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.ioutil import atomic_write_text, read_json
 from moeshrink.core.layout import benchmarks_dir
@@ -175,7 +176,7 @@ class Page:
         result = self.results.evals.get(build_id, {}).get(eval_id)
         if not result:
             return None
-        return result["metrics"]["accuracy" if eval_id == "mmlu" else "exact_match"]
+        return result["metrics"][eval_kinds.get(eval_id).metric]
 
     def quality_table(self, eval_id: str) -> Markup | None:
         builds = [b for b in self.builds if self.accuracy(b, eval_id)]
@@ -200,7 +201,7 @@ class Page:
     def pairs_table(self) -> Markup | None:
         rows = []
         for pair in self.results.pairs:
-            for eval_id in ("mmlu", "gsm8k"):
+            for eval_id in eval_kinds.paired_ids():
                 paired = pair["evals"].get(eval_id)
                 if paired:
                     rows.append({"Builds": f"{self.label(pair['a'])} vs {self.label(pair['b'])}", "Eval": eval_id,
@@ -307,7 +308,7 @@ class Page:
         return out
 
     def verdicts(self, build_id: str) -> list[str]:
-        return [paired["verdict"] for eval_id in ("mmlu", "gsm8k")
+        return [paired["verdict"] for eval_id in eval_kinds.paired_ids()
                 if (paired := self.paired(build_id, eval_id)) and "verdict" in paired]
 
     def passes(self, build_id: str) -> bool | None:
@@ -421,7 +422,8 @@ def context(results: Results, config: dict, benchmark_dir: Path) -> dict:
         "upstream": results.upstream, "card": results.card, "train": results.train,
         "headline": page.headline(), "which": page.which_build(), "judging": page.judging,
         "setup_table": page.setup_table(),
-        "quality_tables": {e: t for e in ("mmlu", "gsm8k") if (t := page.quality_table(e))},
+        "quality_tables": {e: {"title": eval_kinds.get(e).title, "table": t}
+                           for e in eval_kinds.paired_ids() if (t := page.quality_table(e))},
         "pairs_table": page.pairs_table(), "facts_tools_table": page.facts_and_tools_table(),
         "agreement_table": page.agreement_table(), "memory_table": page.memory_table(),
         "failed_memory_checks": page.failed_memory_checks(),
