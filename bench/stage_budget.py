@@ -23,7 +23,7 @@ STAGES = {  # stage: (rules, budget in seconds on 2 cores)
     "builds (all shards, all builds)": (("build_plan", "build_shard", "build_gather"), 60),
     "serve + memory + evals, all builds": (
         ("serve_prediction", "serve_memory", "eval", "eval_agreement", "eval_agreement_reference"), 660),
-    "compare + report": (("compare", "compare_pair", "report", "report_latest"), 30),
+    "compare + report": (("compare", "compare_pair", "compare_summary", "report", "report_latest"), 30),
 }
 MAIN_BUDGET_S = 25 * 60
 

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moeshrink", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate-config", help="check config files against schemas/config.schema.yaml")
+    p = sub.add_parser("validate-config", help="check config files against the schema (moeshrink/core/config.schema.yaml)")
     p.add_argument("files", nargs="*", default=["config.yaml"])
     p.set_defaults(func=cmd_validate_config)
 

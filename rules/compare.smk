@@ -39,3 +39,24 @@ rule compare_pair:
         runtime=10,
     script:
         "../scripts/compare.py"
+
+
+# Which build, from the comparisons and each build's cache room (results/compare/summary.json): the report
+# shows it. The builds' order is a param: it breaks ties.
+rule compare_summary:
+    input:
+        compares=expand("results/{{run}}/compare/{build}.json", build=OTHER_BUILDS),
+        memory=expand("results/{{run}}/serve/{build}/memory.json", build=OTHER_BUILDS),
+    output:
+        summary="results/{run}/compare/summary.json",
+    params:
+        reference=REFERENCE_BUILD,
+        builds=OTHER_BUILDS,
+    log:
+        "logs/{run}/compare/summary.log",
+    resources:
+        **CPU_JOB,
+        mem_mb=2000,
+        runtime=10,
+    script:
+        "../scripts/compare_summary.py"

@@ -49,6 +49,14 @@ def test_missing_field_names_the_key(default_config):
     assert problems_of(config) == ["builds.pruned75.prune.keep_fraction: missing (required)"]
 
 
+def test_a_build_named_like_the_summary_is_refused(default_config):
+    config = copy.deepcopy(default_config)
+    config["builds"]["summary"] = config["builds"].pop("twx3")
+    config["compare"]["pairs"] = []
+    assert problems_of(config) == ["builds.summary: the name is taken by results/<run>/compare/summary.json; "
+                                   "rename the build"]
+
+
 def test_out_of_range_and_bad_enum(default_config):
     config = copy.deepcopy(default_config)
     config["builds"]["pruned75"]["prune"]["keep_fraction"] = 1.5
@@ -198,7 +206,7 @@ def schema_defaults(node, found=None) -> set[str]:
 
 def test_no_module_or_rule_keeps_a_second_default_for_a_schema_key():
     root = Path(__file__).resolve().parent.parent
-    names = schema_defaults(yaml.safe_load((root / "schemas/config.schema.yaml").read_text()))
+    names = schema_defaults(yaml.safe_load((root / "moeshrink/core/config.schema.yaml").read_text()))
     assert {"startup_timeout_s", "stop_timeout_s", "max_logprobs"} <= names
     sources = [*root.glob("moeshrink/**/*.py"), *root.glob("rules/*.smk"), *root.glob("scripts/*.py"), root / "Snakefile"]
     offenders = [f"{path.relative_to(root)}: .get({name!r}, ...)" for path in sources for name in names

@@ -7,10 +7,12 @@ import pytest
 from conftest import import_plugin
 
 from moeshrink.compare.paired import compare
+from moeshrink.compare.summary import build_summary, choose
 from moeshrink.core import eval_kinds, stats
 from moeshrink.core.config import ConfigError, validate
 from moeshrink.evals import configured_evals
-from moeshrink.report.render import Page, Results
+from moeshrink.report.load import Results
+from moeshrink.report.render import Page
 
 
 @pytest.fixture
@@ -58,8 +60,11 @@ def test_a_toy_eval_needs_only_its_own_module(toy, default_config):
     assert (toy_compared["only_a"], toy_compared["only_b"]) == (60, 0)
     assert toy_compared["verdict"] == "fail" and toy_compared["drop_points"] == pytest.approx(30.0)
 
+    builds = {"twx3": build_summary(compared, {"kv_cache_tokens": 1000})}
+    assert builds["twx3"]["verdicts"]["toy"]["verdict"] == "fail" and choose(builds)["failing"] == ["twx3"]
     results = Results(upstream={}, evals={"original": {"toy": result("original", reference)},
-                                          "twx3": {"toy": result("twx3", build)}}, compare={"twx3": compared})
+                                          "twx3": {"toy": result("twx3", build)}}, compare={"twx3": compared},
+                      summary={"builds": builds, **choose(builds)})
     page = Page(results, config)
     table = str(page.quality_table("toy"))
     assert "90.0%" in table and "60.0%" in table and "fail: 30.00 points lost" in table

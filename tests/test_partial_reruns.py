@@ -71,7 +71,7 @@ class Study:
 
     def compares(self) -> list[str]:
         return [f"compare:build={b}" for b in self.others] + \
-            [f"compare_pair:a={a}:b={b}" for a, b in self.config["compare"]["pairs"]]
+            [f"compare_pair:a={a}:b={b}" for a, b in self.config["compare"]["pairs"]] + ["compare_summary"]
 
     def served(self, build: str, evals: list[str] | None = None) -> list[str]:
         """A build's prediction, server, memory and evals (all of them unless named)."""
@@ -122,17 +122,17 @@ ROWS = [
     ("upstream.organism.train.threads", lambda c: _set(c, "upstream.organism.train.threads", 1), lambda s: []),
     ("upstream.organism.card.threads", lambda c: _set(c, "upstream.organism.card.threads", 1), lambda s: []),
     ("key order", lambda c: _reorder(c), lambda s: []),
-    ("the builds' order", lambda c: _reorder(c, builds_too=True), lambda s: ["report"]),
+    ("the builds' order", lambda c: _reorder(c, builds_too=True), lambda s: ["compare_summary", "report"]),  # ties
     ("plan.reserve_gib", lambda c: _set(c, "plan.reserve_gib", 12), lambda s: ["report"]),
     ("compare.pass_mark_points", lambda c: _set(c, "compare.pass_mark_points", 3.0),
-     lambda s: [*[f"compare:build={b}" for b in s.others], "report"]),  # pairs carry no verdict
+     lambda s: [*[f"compare:build={b}" for b in s.others], "compare_summary", "report"]),  # pairs carry no verdict
     ("upstream.organism.card.passages", lambda c: _set(c, "upstream.organism.card.passages", 30),
      lambda s: ["organism_card", "report"]),
     ("builds.pruned75.prune.keep_fraction", lambda c: _set(c, "builds.pruned75.prune.keep_fraction", 0.5),
-     lambda s: [*s.made("pruned75"), "compare:build=pruned75", *s.pairs_with("pruned75"), "report"]),
+     lambda s: [*s.made("pruned75"), "compare:build=pruned75", *s.pairs_with("pruned75"), "compare_summary", "report"]),
     ("builds.twx2_5.quantize.max_bits_per_weight",
      lambda c: _set(c, "builds.twx2_5.quantize.max_bits_per_weight", 2.6),
-     lambda s: [*s.made("twx2_5"), "compare:build=twx2_5", *s.pairs_with("twx2_5"), "report"]),
+     lambda s: [*s.made("twx2_5"), "compare:build=twx2_5", *s.pairs_with("twx2_5"), "compare_summary", "report"]),
     ("serve.max_model_len", lambda c: _set(c, "serve.max_model_len", 1024),
      lambda s: [*[key for b in s.builds for key in s.served(b)], *s.compares(), "report"]),
     ("serve.kv_cache_dtype", lambda c: _set(c, "serve.kv_cache_dtype", "bfloat16"),
@@ -231,7 +231,7 @@ def test_a_changed_eval_item_count_reruns_only_that_eval_and_starts_each_server_
     assert result.returncode == 0, result.stderr[-4000:]
     ran = sorted(re.findall(r"^\s*(?:local)?rule (\w+):", result.stderr + result.stdout, flags=re.M))
     assert ran == sorted(["eval"] * len(gsm8k_builds) + ["compare"] * len(study.others)
-                         + ["compare_pair"] * len(config["compare"]["pairs"]) + ["report"]), ran
+                         + ["compare_pair"] * len(config["compare"]["pairs"]) + ["compare_summary", "report"]), ran
     for build in study.builds:
         started = _lines(work / f"results/organism/serve/{build}/starts.jsonl")[len(starts_before[build]):]
         assert len(started) == (1 if build in gsm8k_builds else 0), (build, started)

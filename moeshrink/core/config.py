@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -11,7 +12,7 @@ import yaml
 from moeshrink.core import eval_kinds, expert_formats
 from moeshrink.core.errors import MoeshrinkError
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+SCHEMA_FILE = "config.schema.yaml"  # package data of moeshrink.core: every key, its type, default and meaning
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -23,10 +24,9 @@ class ConfigError(MoeshrinkError, ValueError):
         super().__init__(f"{source} is invalid:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def load_schema(path: Path = SCHEMA_PATH) -> dict:
-    """The schema file, with the config section of every registered eval it does not list (a plugin's)."""
-    with open(path) as f:
-        schema = yaml.safe_load(f)
+def load_schema() -> dict:
+    """The schema, with the config section of every registered eval it does not list (a plugin's)."""
+    schema = yaml.safe_load(resources.files("moeshrink.core").joinpath(SCHEMA_FILE).read_text())
     eval_sections = schema["properties"]["evals"]["properties"]
     for eval_id, kind in eval_kinds.kinds().items():
         if eval_id not in eval_sections:
@@ -75,6 +75,8 @@ def semantic_problems(config: dict) -> list[str]:
     if config["reference_build"] not in builds:
         problems.append(f"reference_build: {config['reference_build']!r} is not a build "
                         f"(builds: {', '.join(builds)})")
+    if "summary" in builds:
+        problems.append("builds.summary: the name is taken by results/<run>/compare/summary.json; rename the build")
     for index, pair in enumerate(config["compare"]["pairs"]):
         for build_id in pair:
             if build_id not in builds:

@@ -1,142 +1,39 @@
-"""Render report/<run>/r013.html from the JSON files rules wrote, and nothing else: tables are pandas frames
-built from those files, charts inline SVG, the page one self-contained file. A build config declares
-without its files is an error naming the file, never a blank row."""
+"""Render report/<run>/r013.html from the JSON files rules wrote, and nothing else: `load` reads them,
+`Page` lays out its sections (tables are pandas frames built from those files, charts inline SVG;
+"which build" is the compare stage's summary), `text` writes each figure; the page is one
+self-contained file. A build config declares without its files is an error naming the file, never a
+blank row."""
 from __future__ import annotations
 
 import csv
 import re
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from jinja2 import Environment, FileSystemLoader, select_autoescape
+from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
 from moeshrink.core import eval_kinds
-from moeshrink.core.errors import MoeshrinkError
-from moeshrink.core.ioutil import atomic_write_text, read_json
+from moeshrink.core.ioutil import atomic_write_text
 from moeshrink.core.layout import benchmarks_dir
 from moeshrink.core.provenance import Provenance, config_hash
 from moeshrink.report import charts
-from moeshrink.report.report_inputs import input_files
+from moeshrink.report.load import ReportError, Results, load  # noqa: F401 (ReportError: what render raises)
+from moeshrink.report.report_inputs import input_files  # noqa: F401 (the report rule's inputs)
+from moeshrink.report.text import (
+    below,
+    decimal_size,
+    html_table,
+    made_by,
+    memory_checks_text,
+    p_text,
+    pct,
+    points,
+    rate_text,
+    ratio_text,
+)
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "report" / "templates"
-GB = 1e9
 SHARD_FILE = re.compile(r"model-\d+-of-\d+(\.safetensors)?$")
-
-
-class ReportError(MoeshrinkError, ValueError):
-    """The report's inputs are incomplete or inconsistent."""
-
-
-@dataclass
-class Results:
-    """Everything the report reads, by build."""
-    upstream: dict
-    manifests: dict[str, dict] = field(default_factory=dict)
-    memory: dict[str, dict] = field(default_factory=dict)
-    predictions: dict[str, dict] = field(default_factory=dict)
-    evals: dict[str, dict[str, dict]] = field(default_factory=lambda: defaultdict(dict))
-    compare: dict[str, dict] = field(default_factory=dict)
-    pairs: list[dict] = field(default_factory=list)
-    card: dict | None = None
-    train: dict | None = None
-    files: dict[str, str] = field(default_factory=dict)
-
-
-def load(inputs: dict[str, Path], config: dict) -> Results:
-    check_complete(inputs, config)
-    results = Results(upstream=read_json(inputs["upstream"]), files={k: str(v) for k, v in inputs.items()})
-    for key, path in inputs.items():
-        kind, _, rest = key.partition("_")
-        if kind == "build":
-            results.manifests[rest] = read_json(path)
-        elif kind == "memory":
-            results.memory[rest] = read_json(path)
-        elif kind == "prediction":
-            results.predictions[rest] = read_json(path)
-        elif kind == "eval":
-            record = read_json(path)
-            results.evals[record["build"]][record["eval"]] = record
-        elif kind == "compare":
-            record = read_json(path)
-            results.compare[record["b"]] = record
-        elif kind == "pair":
-            results.pairs.append(read_json(path))
-    results.card = read_json(inputs["card"]) if "card" in inputs else None
-    results.train = read_json(inputs["train"]) if "train" in inputs else None
-    return results
-
-
-def check_complete(inputs: dict[str, Path], config: dict) -> None:
-    """Every build config declares has its manifest, memory, evals and comparison."""
-    missing = [path for key, path in input_files(config).items() if key not in inputs]
-    if missing:
-        raise ReportError("the report needs every configured build's results; missing: " + ", ".join(missing))
-
-
-def decimal_size(size_bytes: float) -> str:
-    """Decimal units, as the published report writes sizes (GB = 10**9 bytes)."""
-    if size_bytes >= GB:
-        return f"{size_bytes / GB:,.1f} GB"
-    return f"{size_bytes / 1e6:,.2f} MB"
-
-
-def pct(rate: float | None) -> str:
-    return "-" if rate is None else f"{100 * rate:.1f}%"
-
-
-
-def memory_checks_text(memory: dict) -> str:
-    """'all N hold', or which checks failed: a figure that disagrees with its prediction is never
-    printed without saying so."""
-    failed = [name for name, ok in memory["checks"].items() if not ok]
-    return f"all {len(memory['checks'])} hold" if not failed else "FAILED: " + ", ".join(failed)
-
-def rate_text(figure: dict | None) -> str:
-    if not figure:
-        return "-"
-    low, high = figure["ci95"]
-    return f"{pct(figure['value'])} [{100 * low:.1f}, {100 * high:.1f}]"
-
-
-def points(value: float | None, signed: bool = True) -> str:
-    if value is None:
-        return "-"
-    value = round(value, 1) + 0.0  # no "-0.0"
-    return f"{value:+.1f}" if signed and value else f"{value:.1f}"
-
-
-def p_text(p_value: float | None) -> str:
-    if p_value is None:
-        return "-"
-    return f"{p_value:.2g}" if p_value >= 1e-4 else f"{p_value:.1e}"
-
-
-def ratio_text(build_bytes: int, reference_bytes: int) -> str:
-    ratio = build_bytes / reference_bytes
-    if abs(ratio - 1) < 5e-4:
-        return "reference" if build_bytes == reference_bytes else "same size"
-    if ratio < 1:
-        return f"{100 * (1 - ratio):.0f}% smaller ({1 / ratio:.2f}x)"
-    return f"{100 * (ratio - 1):.0f}% larger"
-
-
-def html_table(frame: pd.DataFrame, per_build: bool = True) -> Markup:
-    """A pandas table, every cell escaped; `per-build` tables have one row per build (the browser test
-    checks it)."""
-    classes = ["data", "per-build"] if per_build else ["data"]
-    return Markup(frame.to_html(index=False, escape=True, border=0, classes=classes, na_rep="-"))
-
-
-def made_by(build: dict) -> str:
-    steps = []
-    if build.get("prune"):
-        steps.append(f"prune {build['prune']['method']}, keep {100 * build['prune']['keep_fraction']:g}% of experts")
-    if build.get("quantize"):
-        steps.append(f"quantize experts to {build['quantize']['format']}")
-    return "; ".join(steps) or "as published"
 
 
 class Page:
@@ -308,34 +205,20 @@ class Page:
         return out
 
     def verdicts(self, build_id: str) -> list[str]:
-        return [paired["verdict"] for eval_id in eval_kinds.paired_ids()
-                if (paired := self.paired(build_id, eval_id)) and "verdict" in paired]
+        summary = self.results.summary
+        return [v["verdict"] for v in summary["builds"][build_id]["verdicts"].values()] if summary else []
 
     def passes(self, build_id: str) -> bool | None:
         """True when it passes the pass mark on every paired eval it ran, False when it fails one,
-        None when none was judged or a verdict is "cannot tell" (never counted as a pass)."""
-        verdicts = self.verdicts(build_id)
-        if "fail" in verdicts:
-            return False
-        return True if verdicts and all(v == "pass" for v in verdicts) else None
+        None when none was judged or a verdict is "cannot tell" (compare/summary.json says which)."""
+        summary = self.results.summary
+        return summary["builds"][build_id]["passes"] if summary else None
 
     def which_build(self) -> dict:
-        """The choice, derived from the numbers by the rules the page states."""
-        qualifying = [b for b in self.others if self.passes(b)]
-        agreement = {r["build"]: r["metrics"] for r in self.agreement_rows()}
-
-        def fidelity_key(build_id: str):
-            metrics = agreement.get(build_id)
-            if metrics:
-                return (metrics["top1_agreement"]["value"], -metrics["mean_kl"]["value"])
-            paired = self.paired(build_id, "mmlu")
-            return (-paired["drop_points"] if paired else float("-inf"), 0.0)
-
-        fidelity = max(qualifying, key=fidelity_key) if qualifying else None
-        room = max(qualifying, key=lambda b: self.results.memory[b]["kv_cache_tokens"]) if qualifying else None
-        return {"qualifying": qualifying, "failing": [b for b in self.others if self.passes(b) is False],
-                "undecided": [b for b in self.others if self.passes(b) is None and "cannot tell" in self.verdicts(b)],
-                "fidelity": fidelity, "room": room}
+        """The choice as results/compare/summary.json made it."""
+        summary = self.results.summary or {}
+        return {key: summary.get(key) or ([] if key in ("qualifying", "failing", "undecided") else None)
+                for key in ("qualifying", "failing", "undecided", "fidelity", "room")}
 
     def headline(self) -> list[str]:
         """One sentence per build, from its files."""
@@ -347,7 +230,7 @@ class Page:
             paired = self.paired(build_id, "mmlu")
             if paired:
                 sentence += (f"; MMLU {pct(paired['accuracy_b']['value'])} against {pct(paired['accuracy_a']['value'])}, "
-                             f"{_below(paired['drop_points'])} (at worst {_below(paired['at_worst_points'])})")
+                             f"{below(paired['drop_points'])} (at worst {below(paired['at_worst_points'])})")
             agreement = self.results.evals.get(build_id, {}).get("agreement")
             if agreement:
                 sentence += f"; next-word agreement {pct(agreement['metrics']['top1_agreement']['value'])}"
@@ -383,12 +266,6 @@ class Page:
                  "Server start (s)": f"{self.results.memory[b]['server'].get('startup_seconds') or 0:.0f}"}
                 for b in self.builds]
         return html_table(pd.DataFrame(rows))
-
-
-def _below(drop_points: float) -> str:
-    if abs(drop_points) < 0.05:
-        return "level with the original"
-    return f"{abs(drop_points):.1f} points {'below' if drop_points > 0 else 'above'} the original"
 
 
 def stage_times(benchmark_dir: Path) -> Markup | None:
@@ -450,12 +327,12 @@ def render(inputs: dict[str, Path], config: dict, out_file: Path, benchmark_dir:
     prov = Provenance("report", {"title": config["title"], "config_sha256_16": config_hash(config)},
                       inputs=[str(p) for p in inputs.values()])
     results = load(inputs, config)
-    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"]),
+    env = Environment(loader=PackageLoader("moeshrink.report", "templates"), autoescape=select_autoescape(["html", "j2"]),
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["gb"] = decimal_size
     env.filters["pct"] = pct
     env.filters["p"] = p_text
-    env.filters["below"] = _below
+    env.filters["below"] = below
     ctx = context(results, config, benchmark_dir or benchmarks_dir(config))
     ctx["provenance"] = prov.record()
     atomic_write_text(out_file, env.get_template("r013.html.j2").render(**ctx))

@@ -20,6 +20,7 @@ def input_files(config: dict) -> dict[str, str]:
                    for eval_id in eval_ids for build in eval_builds(config, eval_id)})
     if eval_ids:
         inputs.update({f"compare_{build}": f"{results}/compare/{build}.json" for build in builds if build != reference})
+        inputs["summary"] = f"{results}/compare/summary.json"
         inputs.update({f"pair_{a}_vs_{b}": f"{results}/compare/pairs/{a}_vs_{b}.json"
                        for a, b in config["compare"]["pairs"]})
     if config["upstream"]["source"] == "organism":

@@ -1,0 +1,42 @@
+"""The report's pieces on small fixtures, without a workflow run: how a figure is written, and the
+"which build" section taken from the compare stage's summary as it is (the browser test renders a
+whole page from a real run)."""
+import pandas as pd
+
+from moeshrink.report.load import Results
+from moeshrink.report.render import Page
+from moeshrink.report.text import below, decimal_size, html_table, p_text, points, rate_text, ratio_text
+
+
+def test_figures_as_the_page_writes_them():
+    assert (decimal_size(1.5e9), decimal_size(12.5e6)) == ("1.5 GB", "12.50 MB")
+    assert (points(-0.04), points(1.26), points(-2.0), points(None)) == ("0.0", "+1.3", "-2.0", "-")
+    assert (p_text(0.0123), p_text(0.00001), p_text(None)) == ("0.012", "1.0e-05", "-")
+    assert (ratio_text(100, 100), ratio_text(25, 100), ratio_text(120, 100)) == (
+        "reference", "75% smaller (4.00x)", "20% larger")
+    assert rate_text({"value": 0.5, "ci95": [0.4, 0.6]}) == "50.0% [40.0, 60.0]" and rate_text(None) == "-"
+    assert (below(0.01), below(-2.0), below(3.25)) == (
+        "level with the original", "2.0 points above the original", "3.2 points below the original")
+
+
+def test_a_table_escapes_every_cell_and_marks_per_build_tables():
+    table = str(html_table(pd.DataFrame([{"Build": "<b>x</b>", "n": 1}])))
+    assert "&lt;b&gt;x&lt;/b&gt;" in table and "<b>" not in table and "per-build" in table
+    assert "per-build" not in str(html_table(pd.DataFrame([{"a": 1}]), per_build=False))
+
+
+def page_with(summary: dict | None) -> Page:
+    config = {"reference_build": "original", "compare": {"pass_mark_points": 2.0, "pass_on": "at_worst"},
+              "builds": {"original": {"label": "Original"}, "a": {"label": "A"}, "b": {"label": "B"}}}
+    return Page(Results(upstream={}, summary=summary), config)
+
+
+def test_which_build_is_the_summarys_choice_and_nothing_else():
+    summary = {"builds": {"a": {"verdicts": {"mmlu": {"verdict": "pass", "reason": "r"}}, "passes": True},
+                          "b": {"verdicts": {"mmlu": {"verdict": "cannot tell", "reason": "r"}}, "passes": None}},
+               "qualifying": ["a"], "failing": [], "undecided": ["b"], "fidelity": "a", "room": "a"}
+    page = page_with(summary)
+    assert page.which_build() == {"qualifying": ["a"], "failing": [], "undecided": ["b"], "fidelity": "a", "room": "a"}
+    assert (page.passes("a"), page.passes("b"), page.verdicts("b")) == (True, None, ["cannot tell"])
+    assert page_with(None).which_build() == {"qualifying": [], "failing": [], "undecided": [], "fidelity": None,
+                                             "room": None}

@@ -1,0 +1,62 @@
+"""Which build (results/<run>/compare/summary.json), from comparison and memory JSONs: the rules the
+page states, applied in the compare stage and never again in the report."""
+import json
+
+import pytest
+
+from moeshrink.compare.summary import SummaryError, run
+
+
+def compared(build: str, verdicts: dict[str, str], agreement: float | None = None, kl: float = 0.01,
+             drop: float = 1.0) -> dict:
+    evals = {eval_id: {"verdict": verdict, "verdict_reason": f"{verdict} because", "drop_points": drop}
+             for eval_id, verdict in verdicts.items()}
+    if agreement is not None:
+        evals["agreement"] = {"top1_agreement": {"value": agreement}, "mean_kl": {"value": kl}}
+    return {"a": "original", "b": build, "evals": evals}
+
+
+def summarise(tmp_path, builds: dict[str, tuple[dict, int]]) -> dict:
+    compares, memory = {}, {}
+    for build, (comparison, tokens) in builds.items():
+        compares[build] = tmp_path / f"{build}.json"
+        compares[build].write_text(json.dumps(comparison))
+        memory[build] = tmp_path / f"{build}-memory.json"
+        memory[build].write_text(json.dumps({"kv_cache_tokens": tokens}))
+    run(compares, memory, "original", tmp_path / "summary.json")
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_fidelity_by_agreement_room_by_cache_and_no_cannot_tell_counted_as_a_pass(tmp_path):
+    summary = summarise(tmp_path, {
+        "pruned75": (compared("pruned75", {"mmlu": "cannot tell", "gsm8k": "fail"}, 0.58), 9000),
+        "twx3": (compared("twx3", {"mmlu": "pass", "gsm8k": "pass"}, 0.95, 0.002), 5000),
+        "twx2_5": (compared("twx2_5", {"mmlu": "pass", "gsm8k": "pass"}, 0.94, 0.006), 6000),
+        "twx2": (compared("twx2", {"mmlu": "cannot tell", "gsm8k": "pass"}, 0.99), 7000),
+    })
+    assert summary["qualifying"] == ["twx3", "twx2_5"]
+    assert summary["failing"] == ["pruned75"] and summary["undecided"] == ["twx2"]
+    assert (summary["fidelity"], summary["room"]) == ("twx3", "twx2_5")
+    assert summary["builds"]["twx2"]["passes"] is None
+    assert summary["builds"]["pruned75"]["verdicts"]["gsm8k"] == {"verdict": "fail", "reason": "fail because"}
+    assert summary["rules"]["qualifies"].startswith("passes the pass mark on every paired eval")
+
+
+def test_without_agreement_the_smallest_drop_and_ties_go_to_the_first_build(tmp_path):
+    summary = summarise(tmp_path, {
+        "a": (compared("a", {"mmlu": "pass"}, drop=1.5), 100),
+        "b": (compared("b", {"mmlu": "pass"}, drop=0.5), 100),
+        "c": (compared("c", {"mmlu": "pass"}, drop=0.5), 100),
+    })
+    assert (summary["fidelity"], summary["room"]) == ("b", "a")
+
+
+def test_nothing_qualifies_and_nothing_judged(tmp_path):
+    summary = summarise(tmp_path, {"a": (compared("a", {}), 100), "b": (compared("b", {"mmlu": "fail"}), 100)})
+    assert summary["qualifying"] == [] and summary["fidelity"] is None and summary["room"] is None
+    assert summary["builds"]["a"]["passes"] is None and summary["undecided"] == []
+
+
+def test_a_comparison_of_another_build_is_refused(tmp_path):
+    with pytest.raises(SummaryError, match=r"b.json: compares 'a' with 'original', not 'b'"):
+        summarise(tmp_path, {"b": (compared("a", {"mmlu": "pass"}), 100)})
