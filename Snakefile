@@ -1,7 +1,8 @@
 # moeshrink: smaller builds of a published MoE, served with vLLM, evaluated side by side.
 # `snakemake --cores all report/r013.html` on the embedded default (config.yaml);
 # `snakemake --cores all report/r013.html --configfile presets/kimi-k3.1-pro.yaml` for a real model
-# (a preset replaces config.yaml; --configfile takes several files, so name targets before it).
+# (a preset is laid over config.yaml and names only what differs; --replace-workflow-config makes a
+# config file of your own replace it; --configfile takes several files, so name targets before it).
 # Each study (config key `run`) has its own results/<run>/, logs/<run>/, benchmarks/<run>/ and
 # report/<run>/r013.html; report/r013.html is a copy of the configured study's report.
 
@@ -9,11 +10,12 @@ from snakemake.exceptions import WorkflowError
 
 from moeshrink.core.config import ConfigError, validate
 
-if not workflow.overwrite_configfiles:
-    configfile: "config.yaml"
+configfile: "config.yaml"
 
+CONFIG_LAYERS = [*([] if workflow.config_settings.replace_workflow_config else ["config.yaml"]),
+                 *map(str, workflow.overwrite_configfiles or [])]
 try:
-    validate(config, source=", ".join(map(str, workflow.overwrite_configfiles or ["config.yaml"])))
+    validate(config, source=" + ".join(CONFIG_LAYERS))
 except ConfigError as error:
     raise WorkflowError(str(error))
 

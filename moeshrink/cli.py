@@ -12,15 +12,18 @@ from moeshrink.core import expert_formats
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.layout import results_dir
 
+CONFIG_HELP = "config files laid over config.yaml in order, as snakemake --configfile lays them (default: config.yaml)"
 
-def _load(path: str) -> dict:
-    return config_mod.load(path)
+
+def _load(paths: list[str]) -> dict:
+    """config.yaml with the named files laid over it, as `snakemake --configfile` reads them."""
+    return config_mod.load(*paths)
 
 
 def cmd_validate_config(args) -> int:
     for path in args.files:
         config_mod.load(path)
-        print(f"{path}: valid")
+        print(f"{path}: valid (laid over {config_mod.DEFAULT_FILE})")
     return 0
 
 
@@ -156,20 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moeshrink", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate-config", help="check config files against the schema (moeshrink/core/config.schema.yaml)")
+    p = sub.add_parser("validate-config", help="check config files, each laid over config.yaml, against the schema "
+                                                 "(moeshrink/core/config.schema.yaml)")
     p.add_argument("files", nargs="*", default=["config.yaml"])
     p.set_defaults(func=cmd_validate_config)
 
     p = sub.add_parser("upstream", help="make results/<run>/upstream/ from the configured source "
                                         "(for the organism: data, tokenizer, training, publication, twin, card)")
-    p.add_argument("--config", default="config.yaml")
+    p.add_argument("--config", nargs="+", default=["config.yaml"], help=CONFIG_HELP)
     p.add_argument("--results", help="default: results/<run> (the config's study)")
     p.add_argument("--workers", type=int, default=2, help="parallel sha256 workers")
     p.set_defaults(func=cmd_upstream)
 
     p = sub.add_parser("ship-organism", help="write the shipped organism from a finished training run "
                                              "(results/<run>/organism/trained after train.from: scratch)")
-    p.add_argument("--config", default="config.yaml")
+    p.add_argument("--config", nargs="+", default=["config.yaml"], help=CONFIG_HELP)
     p.add_argument("--trained", help="default: results/<run>/organism/trained")
     p.add_argument("--tokenizer", help="default: results/<run>/organism/tokenizer/tokenizer.json")
     p.add_argument("--out", default="organism/shipped")
@@ -200,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="predict weights, KV-cache room and tokens per card for every build, GPU type "
                                     "and tensor-parallel size, from checkpoint headers and config.json alone")
-    p.add_argument("--config", default="config.yaml")
+    p.add_argument("--config", nargs="+", default=["config.yaml"], help=CONFIG_HELP)
     p.add_argument("--results", help="where built builds and the upstream are looked for (default: results/<run>)")
     p.add_argument("--json", help="also write the table as JSON here")
     p.set_defaults(func=cmd_plan)

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import yaml
 
+from moeshrink.core.config import read_layers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,7 +32,7 @@ def test_validate_config_names_the_bad_key(tmp_path):
 
 
 def test_upstream_from_a_local_folder_and_the_twin(tmp_path, tiny_trained):
-    config = yaml.safe_load((ROOT / "presets/gpt-oss-20b.yaml").read_text())
+    config = read_layers(ROOT / "config.yaml", ROOT / "presets/gpt-oss-20b.yaml")
     config["upstream"] = {"source": "path", "path": {"dir": str(tiny_trained), "mode": "copy"},
                           "organism": config["upstream"]["organism"]}  # the eval sets' fictional world
     path = tmp_path / "config.yaml"

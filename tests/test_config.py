@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeshrink.core.config import ConfigError, load, validate
+from moeshrink.core.config import ConfigError, load, read_layers, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "presets").glob("*.yaml"))
@@ -27,7 +27,27 @@ def problems_of(config: dict) -> list[str]:
 
 @pytest.mark.parametrize("path", [ROOT / "config.yaml", *PRESETS], ids=lambda p: p.name)
 def test_default_and_presets_validate(path):
-    load(path)
+    load(path, base=ROOT / "config.yaml")
+
+
+def test_a_preset_is_laid_over_the_default_and_names_only_what_differs():
+    """config.yaml is the one default: a preset's own keys are a minority of the study's, and none of
+    them restates the value config.yaml already has."""
+    def leaves(node, path=()):
+        for key, value in node.items():
+            yield from leaves(value, (*path, key)) if isinstance(value, dict) and value else [((*path, key), value)]
+
+    default = dict(leaves(yaml.safe_load((ROOT / "config.yaml").read_text())))
+    for preset in PRESETS:
+        own = dict(leaves(yaml.safe_load(preset.read_text())))
+        study = dict(leaves(read_layers(ROOT / "config.yaml", preset)))
+        assert len(own) < len(study) / 2, preset.name
+        assert [key for key, value in own.items() if default.get(key, object()) == value] == [], preset.name
+        assert load(preset, base=ROOT / "config.yaml")["builds"].keys() == default_builds()
+
+
+def default_builds():
+    return yaml.safe_load((ROOT / "config.yaml").read_text())["builds"].keys()
 
 
 def test_wrong_type_names_the_key_path(default_config):
@@ -121,7 +141,7 @@ def test_cross_field_rules(default_config):
 
 
 def test_hf_source_needs_a_pinned_commit():
-    config = yaml.safe_load((ROOT / "presets/kimi-k3.1-pro.yaml").read_text())
+    config = read_layers(ROOT / "config.yaml", ROOT / "presets/kimi-k3.1-pro.yaml")
     config["upstream"]["hf"]["revision"] = "main"
     assert problems_of(config) == ["upstream.hf.revision: must pin a 40-hex-digit commit hash, got 'main'"]
     del config["upstream"]["hf"]
@@ -129,7 +149,7 @@ def test_hf_source_needs_a_pinned_commit():
 
 
 def test_eval_sets_need_the_fictional_world_and_logprob_limits_are_named(default_config):
-    config = yaml.safe_load((ROOT / "presets/kimi-k3.1-pro.yaml").read_text())
+    config = read_layers(ROOT / "config.yaml", ROOT / "presets/kimi-k3.1-pro.yaml")
     del config["upstream"]["organism"]
     assert problems_of(config) == ["upstream.organism.data: the facts, toolcalls, agreement eval sets come from the "
                                    "organism's world generator; give its data section (or an agreement file)"]

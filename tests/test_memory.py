@@ -10,8 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 
+from moeshrink.core.config import read_layers
 from moeshrink.core.machine import CpuFacts
 from moeshrink.serve import memory
 from moeshrink.serve.memory import GIB, Tensor
@@ -198,7 +198,7 @@ STAND_INS = {
 
 @pytest.mark.parametrize("preset", sorted(STAND_INS))
 def test_planner_runs_on_the_presets(preset, tmp_path):
-    config = yaml.safe_load((ROOT / "presets" / preset).read_text())
+    config = read_layers(ROOT / "config.yaml", ROOT / "presets" / preset)
     hf = config["upstream"]["hf"]
     snapshot = tmp_path / "hub" / f"models--{hf['repo_id'].replace('/', '--')}" / "snapshots" / hf["revision"]
     snapshot.mkdir(parents=True)

@@ -22,7 +22,7 @@ def dry_run_jobs(work: Path, config: dict | None = None, target: str = "report/o
     if config is not None:
         changed = work / "changed.yaml"
         changed.write_text(yaml.safe_dump(config, sort_keys=False))
-        args += ["--configfile", str(changed)]
+        args += ["--configfile", str(changed), "--replace-workflow-config"]  # a whole config, not a preset
     result = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     jobs: list[tuple[str, dict]] = []
@@ -175,7 +175,8 @@ def test_another_run_name_is_a_study_of_its_own(workdir):
     assert all(wildcards.get("run", "second") == "second" for _, wildcards in jobs)
     (workdir / "changed.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     foreign = subprocess.run([sys.executable, "-m", "snakemake", "-n", "report/organism/r013.html", "--configfile",
-                              "changed.yaml"], cwd=workdir, capture_output=True, text=True, timeout=600)
+                              "changed.yaml", "--replace-workflow-config"], cwd=workdir, capture_output=True, text=True,
+                             timeout=600)
     said = foreign.stdout + foreign.stderr
     assert foreign.returncode != 0 and "No rule to produce report/organism/r013.html" in said, said[-2000:]
     assert dry_run_jobs(workdir) == []  # the first study is still complete
@@ -201,8 +202,8 @@ def test_a_plugin_eval_is_scheduled_and_run_from_its_registry_entry_alone(workdi
     shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml"))
     (work / "toy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     ran = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "toy.yaml",
-                          "results/organism/evals/twx3/toy.json"], cwd=work, capture_output=True, text=True,
-                         timeout=900, env=with_toy_eval())
+                          "--replace-workflow-config", "results/organism/evals/twx3/toy.json"], cwd=work,
+                         capture_output=True, text=True, timeout=900, env=with_toy_eval())
     assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
     result = json.loads((work / "results/organism/evals/twx3/toy.json").read_text())
     records = _lines(work / "results/organism/evals/twx3/toy.jsonl")
@@ -227,7 +228,8 @@ def test_a_changed_eval_item_count_reruns_only_that_eval_and_starts_each_server_
     starts_before = {b: _lines(work / f"results/organism/serve/{b}/starts.jsonl") for b in study.builds}
     (work / "changed.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "report/organism/r013.html", "--configfile",
-                             "changed.yaml"], cwd=work, capture_output=True, text=True, timeout=1800)
+                             "changed.yaml", "--replace-workflow-config"], cwd=work, capture_output=True, text=True,
+                            timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     ran = sorted(re.findall(r"^\s*(?:local)?rule (\w+):", result.stderr + result.stdout, flags=re.M))
     assert ran == sorted(["eval"] * len(gsm8k_builds) + ["compare"] * len(study.others)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import yaml
 
+from moeshrink.core.config import read_layers
 from moeshrink.core.rule_params import (
     build_params,
     eval_params,
@@ -80,5 +81,5 @@ def test_threads_reach_neither_the_organism_rules_nor_the_report():
 
 def test_every_preset_has_report_params():
     for preset in sorted((ROOT / "presets").glob("*.yaml")):
-        config = yaml.safe_load(preset.read_text())
+        config = read_layers(ROOT / "config.yaml", preset)
         assert report_params(config)["builds"].keys() == config["builds"].keys(), preset.name

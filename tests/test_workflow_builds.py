@@ -16,7 +16,8 @@ BUILDS = ["original", "pruned75", "reap50", "twx3", "twx2_5"]
 
 
 def snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args, "--configfile", "tiny.yaml"],
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args, "--configfile", "tiny.yaml",
+                           "--replace-workflow-config"],
                           cwd=work, capture_output=True, text=True, timeout=1200)
 
 

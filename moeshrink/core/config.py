@@ -208,9 +208,39 @@ def validate(config: dict, source: str = "config", schema: dict | None = None) -
     return config
 
 
-def load(path: Path | str) -> dict:
-    with open(path) as f:
-        config = yaml.safe_load(f)
-    if not isinstance(config, dict):
-        raise ConfigError(["(top level): the file is not a YAML mapping"], str(path))
-    return validate(config, str(path))
+DEFAULT_FILE = Path("config.yaml")  # the embedded default, which a preset is laid over
+
+
+def merge(config: dict, overrides: dict) -> dict:
+    """`overrides` laid over `config` (in place) as Snakemake lays a --configfile over the workflow's
+    config: nested mappings merged key by key, any other value (a list, a number, null) replaced."""
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            merge(config[key], value)
+        else:
+            config[key] = value
+    return config
+
+
+def read_layers(*paths: Path | str) -> dict:
+    """The YAML files laid over each other in order, not yet validated."""
+    config: dict = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                layer = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(["(file): not found"], str(path)) from None
+        if not isinstance(layer, dict):
+            raise ConfigError(["(top level): the file is not a YAML mapping"], str(path))
+        merge(config, layer)
+    return config
+
+
+def load(*paths: Path | str, base: Path | str | None = DEFAULT_FILE) -> dict:
+    """The study's config as `snakemake --configfile PATH...` reads it: `base` (config.yaml, the embedded
+    default) with each file laid over it in turn, validated, the schema's defaults filled in. With
+    base None, the files alone (as with --replace-workflow-config)."""
+    layers = [p for p in [base, *paths] if p is not None]
+    unique = [p for i, p in enumerate(layers) if Path(p).resolve() not in {Path(q).resolve() for q in layers[:i]}]
+    return validate(read_layers(*unique), " + ".join(map(str, unique)))
