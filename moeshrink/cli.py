@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from moeshrink.core import config as config_mod
-from moeshrink.core import expert_formats
+from moeshrink.core import expert_formats, prune_methods
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.layout import results_dir
 
@@ -80,9 +80,10 @@ def cmd_prune(args) -> int:
 
     spec = {"method": args.method, "keep_fraction": args.keep_fraction}
     calibration = None
-    if args.method == "reap":
+    if prune_methods.get(args.method, "--method").calibrated:
         if not args.calibration:
-            raise SystemExit("prune --method reap needs --calibration FILE (.jsonl with a text field, or plain text)")
+            raise SystemExit(f"prune --method {args.method} needs --calibration FILE (.jsonl with a text field, or "
+                             "plain text)")
         calibration = Path(args.calibration)
         spec["calibration"] = {"file": str(calibration), "sequences": args.sequences, "seq_len": args.seq_len}
     build = {"label": "pruned", "prune": spec}
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
     p.add_argument("--output", required=True)
     p.add_argument("--keep-fraction", type=float, required=True)
-    p.add_argument("--method", choices=["router_sum", "reap"], default="router_sum")
+    p.add_argument("--method", choices=list(prune_methods.methods()), default="router_sum")
     p.add_argument("--calibration", help="reap: calibration text (.jsonl with a text field, or plain text)")
     p.add_argument("--sequences", type=int, default=32, help="reap: calibration sequences")
     p.add_argument("--seq-len", type=int, default=256, help="reap: tokens per calibration sequence")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
-from moeshrink.core import eval_kinds
+from moeshrink.core import eval_kinds, prune_methods
 from moeshrink.core.layout import report_file, results_dir
 from moeshrink.report.report_inputs import input_files as report_input_files
 from moeshrink.core.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
@@ -116,9 +116,10 @@ def build_shards(wildcards):
 
 
 def build_calibration(wildcards):
-    """The calibration text of a build pruned by reap: its configured file, or the organism corpus."""
+    """The calibration text of a build pruned by a method that reads one (reap): its configured file, or the
+    organism corpus."""
     spec = config["builds"][wildcards.build].get("prune") or {}
-    if spec.get("method") != "reap":
+    if not spec or not prune_methods.get(spec["method"], f"builds.{wildcards.build}.prune.method").calibrated:
         return {}
     return {"calibration": spec["calibration"]["file"] or f"{ORGANISM_DATA}/corpus.jsonl"}
 

@@ -42,7 +42,7 @@ def test_the_cli_prints_a_moeshrink_error_as_one_line_and_lets_a_bug_through(mon
     bad = tmp_path / "config.yaml"
     bad.write_text("builds: 3\n")
     assert cli.main(["plan", "--config", str(bad)]) == 2
-    assert capsys.readouterr().err.startswith(f"error: {bad} is invalid")
+    assert capsys.readouterr().err.startswith(f"error: config.yaml + {bad} is invalid")  # laid over config.yaml
 
     def bug(path):
         raise KeyError("a bug")

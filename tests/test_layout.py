@@ -2,6 +2,7 @@
 inside functions count too), no modules import each other in a circle, and the jobs that only read
 headers or speak HTTP never import torch. ruff's checks (pyproject.toml) pass on the whole tree."""
 import ast
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -140,3 +141,12 @@ def test_ruff_passes():
         pytest.skip("ruff is not installed (the test extra installs it)")
     result = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_the_type_checker_passes_on_the_core_packages():  # the packages pyproject's [tool.mypy] names
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (the test extra installs it)")
+    result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", "/dev/null"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "moeshrink/core" in (ROOT / "pyproject.toml").read_text()

@@ -168,3 +168,22 @@ def test_mxfp4_experts_are_copied_byte_for_byte(tmp_path, tiny_trained, small_to
             assert torch.equal(got, source[f"model.layers.{layer}.mlp.experts.{old}.down_proj.{suffix}"])
     assert built["routed_expert_bits_per_weight"] == pytest.approx(4.25)
     assert built["bytes_by_class"]["routed_experts"] > 0 and built["bytes_by_class"]["attention"] > 0
+
+
+def test_prune_methods_are_a_registry_the_config_check_reads(default_config):
+    import copy
+
+    from moeshrink.core import prune_methods
+    from moeshrink.core.config import ConfigError, validate
+
+    known = prune_methods.methods()
+    assert list(known) == ["router_sum", "reap"] and known["reap"].calibrated and not known["router_sum"].calibrated
+    config = copy.deepcopy(default_config)
+    config["builds"]["pruned75"]["prune"]["method"] = "magnitude"
+    with pytest.raises(ConfigError, match=r"builds.pruned75.prune.method: 'magnitude' is unknown; known: router_sum, "
+                                          r"reap"):
+        validate(config)
+    config["builds"]["pruned75"]["prune"] = {"method": "router_sum", "keep_fraction": 0.25,
+                                             "calibration": {"file": None, "sequences": 2, "seq_len": 32}}
+    with pytest.raises(ConfigError, match="method router_sum reads no calibration text"):
+        validate(config)

@@ -7,7 +7,7 @@ from test_prune import deepseek_v3, qwen3_moe
 from transformers import AutoModelForCausalLM
 
 from moeshrink.compress import reap
-from moeshrink.compress.builder import BuildError, make_plan
+from moeshrink.compress.builder import make_plan
 
 
 def saliency_through_transformers(model, ids, family):
@@ -80,7 +80,7 @@ def test_reap_without_usable_calibration_fails_clearly(published, small_data, tm
     folder, manifest = published
     spec = {"label": "r", "prune": {"method": "reap", "keep_fraction": 0.5,
                                     "calibration": {"file": None, "sequences": 2, "seq_len": 32}}}
-    with pytest.raises(BuildError, match="calibration"):
+    with pytest.raises(reap.ReapError, match=r"builds.r.prune.calibration: method reap needs calibration text"):
         make_plan("r", spec, folder, manifest, None)
     with pytest.raises(reap.ReapError, match="does not exist"):
         make_plan("r", spec, folder, manifest, tmp_path / "missing.jsonl")

@@ -119,6 +119,13 @@ def grouped_kernel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     return (out if total is None else total.to(x.dtype)).reshape(x.shape)
 
 
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One routed expert, down(silu(gate(x)) * up(x)): w13 [2I, H] (gate rows first), w2 [H, I]."""
+    gate_up = x @ w13.T
+    intermediate = gate_up.shape[1] // 2
+    return (F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]) @ w2.T
+
+
 def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, decode_w13, decode_w2,
                    compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts; decode_w13(e)
@@ -132,10 +139,7 @@ def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
             continue
         token_index, slot = torch.where(ids == expert)
         chosen = tokens[token_index].to(compute_dtype)
-        gate_up = chosen @ decode_w13(expert).to(compute_dtype).T
-        intermediate = gate_up.shape[1] // 2
-        hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        y = hidden @ decode_w2(expert).to(compute_dtype).T
+        y = expert_mlp(chosen, decode_w13(expert).to(compute_dtype), decode_w2(expert).to(compute_dtype))
         out.index_add_(0, token_index, y.to(torch.float32) * weights[token_index, slot, None])
     return out.to(x.dtype).reshape(x.shape)
 

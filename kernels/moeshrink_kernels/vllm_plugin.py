@@ -13,6 +13,7 @@ the routed scaling factor and shared experts stay vLLM's. Everything else in the
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -173,6 +174,7 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, weight_name: str) 
     target.copy_(source)
 
 
+@functools.cache  # the classes once per process, not once per layer
 def _methods():
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.utils import set_weight_attrs

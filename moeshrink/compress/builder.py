@@ -17,13 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink.compress import prune, reap
-from moeshrink.core import expert_formats
+from moeshrink.compress import prune
+from moeshrink.core import expert_formats, plugins, prune_methods
 from moeshrink.core.arch import CLASSES, Adapter, ExpertTensor, adapter_for, check_has_moe
 from moeshrink.core.checkpoint import (
     INDEX_FILE,
     SCALE_COMPANION,
-    CheckpointError,
     build_manifest,
     index_of,
     is_weight_companion,
@@ -34,6 +33,7 @@ from moeshrink.core.checkpoint import (
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.expert_formats import ExpertFormat, FormatError
 from moeshrink.core.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
+from moeshrink.core.prune_methods import PruneMethodError
 from moeshrink.core.shardio import StoredTensor, data_start, save_shard, stored_tensor
 from moeshrink.formats import mxfp4
 from moeshrink.formats.source_experts import read_expert_weight, source_format
@@ -49,21 +49,6 @@ class BuildError(MoeshrinkError, ValueError):
 
 
 # ------------------------------------------------------------------------------------- planning
-def router_tensors(upstream: Path, adapter: Adapter, layers: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    weight_map = index_of(upstream)["weight_map"]
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for layer in layers:
-        out[layer] = {}
-        for role, name in adapter.router_tensors(layer).items():
-            if name not in weight_map:
-                if role == "weight":
-                    raise CheckpointError(f"{upstream}: router tensor {name} of MoE layer {layer} is not in the index")
-                continue
-            with safe_open(str(upstream / weight_map[name]), "pt") as f:
-                out[layer][role] = f.get_tensor(name)
-    return out
-
-
 def expert_weights(upstream: Path, adapter: Adapter, fmt: str, wanted=lambda ref: True
                    ) -> Iterator[tuple[ExpertTensor, torch.Tensor]]:
     """Each routed-expert weight that `wanted` accepts, as exact float32, one shard open at a time."""
@@ -102,16 +87,6 @@ def allocate_bits(norms: dict[int, dict[int, float]], relative_gain: float, max_
     return {layer: {e: wide if (layer, e) in widened else narrow for e in norms[layer]} for layer in norms}
 
 
-def reap_scores(upstream: Path, spec: dict, calibration_file: Path | None, where: str) -> dict[int, torch.Tensor]:
-    calibration = spec.get("calibration")
-    if calibration is None or calibration_file is None:
-        raise BuildError(f"{where}.calibration: method reap needs calibration text (file, sequences, seq_len)")
-    texts = reap.calibration_texts(calibration_file)
-    token_ids = reap.calibration_batch(upstream, texts, calibration["sequences"], calibration["seq_len"])
-    saliency = reap.layer_saliency(upstream, token_ids)["saliency"]
-    return {layer: torch.tensor(values, dtype=torch.float64) for layer, values in saliency.items()}
-
-
 def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest: dict,
               calibration_file: Path | None = None) -> dict:
     config = read_json(upstream / "config.json")
@@ -129,20 +104,18 @@ def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest:
         spec = build_cfg["prune"]
         keep = prune.kept_count(num_experts, spec["keep_fraction"], top_k, n_group,
                                 where=f"builds.{build_id}.prune.keep_fraction")
-        if spec["method"] == "router_sum":
-            routers = router_tensors(upstream, adapter, layers)
-            all_scores = {layer: prune.router_sum_scores(routers[layer]["weight"]) for layer in layers}
-        elif spec["method"] == "reap":
-            all_scores = reap_scores(upstream, spec, calibration_file, f"builds.{build_id}.prune")
-        else:
-            raise BuildError(f"builds.{build_id}.prune.method: {spec['method']!r} is unknown (router_sum, reap)")
+        try:
+            method = prune_methods.get(spec["method"], f"builds.{build_id}.prune.method")
+        except PruneMethodError as error:
+            raise BuildError(str(error)) from None
+        all_scores = plugins.resolve(method.scorer)(upstream, spec, calibration_file, f"builds.{build_id}.prune")
         layer_plans = {}
         for layer in layers:
             scores = all_scores[layer]
             kept[layer] = prune.choose_experts(scores, keep, n_group)
             layer_plans[str(layer)] = {"kept": kept[layer], "scores": [round(float(s), 6) for s in scores]}
         plan["prune"] = {**spec, "keep": keep, "layers": layer_plans}
-        if calibration_file is not None and spec["method"] == "reap":
+        if calibration_file is not None and method.calibrated:
             plan["prune"]["calibration_sha256"] = sha256_file(calibration_file)
     if "quantize" in build_cfg:
         spec = build_cfg["quantize"]

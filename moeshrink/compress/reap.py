@@ -25,6 +25,7 @@ from moeshrink.core.checkpoint import CheckpointError, index_of
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.ioutil import read_json
 from moeshrink.formats.source_experts import read_expert_weight, source_format
+from moeshrink_kernels.experts import expert_mlp
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("deepseek_v3", "qwen3_moe")
@@ -147,8 +148,7 @@ class SalienceMoE(nn.Module):
         for projection in PROJECTIONS:
             weights[projection] = self.reader.expert(self.adapter.expert_name(ExpertTensor(self.layer, expert,
                                                                                            projection, "weight")))
-        hidden = F.silu(x @ weights["gate_proj"].T) * (x @ weights["up_proj"].T)
-        return hidden @ weights["down_proj"].T
+        return expert_mlp(x, torch.cat([weights["gate_proj"], weights["up_proj"]]), weights["down_proj"])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(torch.float32)
@@ -241,3 +241,14 @@ def layer_saliency(upstream: Path, token_ids: torch.Tensor, threads: int | None 
         _materialise(norm, reader, "model.norm.", set())
         result["hidden"] = norm(hidden)
     return result
+
+
+def reap_layers(upstream: Path, spec: dict, calibration_file: Path | None, where: str) -> dict[int, torch.Tensor]:
+    """The reap scorer: every MoE layer's experts by their mean saliency on the calibration text."""
+    calibration = spec.get("calibration")
+    if calibration is None or calibration_file is None:
+        raise ReapError(f"{where}.calibration: method reap needs calibration text (file, sequences, seq_len)")
+    texts = calibration_texts(calibration_file)
+    token_ids = calibration_batch(upstream, texts, calibration["sequences"], calibration["seq_len"])
+    saliency = layer_saliency(upstream, token_ids)["saliency"]
+    return {layer: torch.tensor(values, dtype=torch.float64) for layer, values in saliency.items()}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from moeshrink.core import eval_kinds, expert_formats
+from moeshrink.core import eval_kinds, expert_formats, prune_methods
 from moeshrink.core.errors import MoeshrinkError
 
 SCHEMA_FILE = "config.schema.yaml"  # package data of moeshrink.core: every key, its type, default and meaning
@@ -87,17 +87,7 @@ def semantic_problems(config: dict) -> list[str]:
         for step in ("prune", "quantize"):
             if step in build and build_id == config["reference_build"]:
                 problems.append(f"builds.{build_id}.{step}: the reference build must be the upstream as published")
-        prune_spec = build.get("prune") or {}
-        if prune_spec.get("method") == "reap":
-            calibration = prune_spec.get("calibration")
-            if calibration is None:
-                problems.append(f"builds.{build_id}.prune.calibration: required for method reap "
-                                "(file, sequences, seq_len)")
-            elif calibration["file"] is None and config["upstream"]["source"] != "organism":
-                problems.append(f"builds.{build_id}.prune.calibration.file: required unless upstream.source is "
-                                "organism (whose corpus is the default)")
-        elif "calibration" in prune_spec:
-            problems.append(f"builds.{build_id}.prune.calibration: only method reap uses calibration text")
+        problems += prune_problems(build_id, build.get("prune"), config["upstream"]["source"])
         problems += quantize_problems(build_id, build.get("quantize"))
     gsm8k = config["evals"].get("gsm8k")
     if gsm8k:
@@ -157,13 +147,33 @@ def semantic_problems(config: dict) -> list[str]:
     return problems
 
 
+def prune_problems(build_id: str, prune_spec: dict | None, source: str) -> list[str]:
+    """A build's prune method must be registered; calibration text is given to the methods that read it."""
+    if not prune_spec:
+        return []
+    if prune_spec["method"] not in prune_methods.methods():
+        return [f"builds.{build_id}.prune.method: {prune_spec['method']!r} is unknown; "
+                f"known: {', '.join(prune_methods.methods())}"]
+    method = prune_methods.methods()[prune_spec["method"]]
+    calibration = prune_spec.get("calibration")
+    if not method.calibrated:
+        return [f"builds.{build_id}.prune.calibration: method {method.name} reads no calibration text"] \
+            if calibration is not None else []
+    if calibration is None:
+        return [f"builds.{build_id}.prune.calibration: required for method {method.name} (file, sequences, seq_len)"]
+    if calibration["file"] is None and source != "organism":
+        return [f"builds.{build_id}.prune.calibration.file: required unless upstream.source is organism (whose "
+                "corpus is the default)"]
+    return []
+
+
 def quantize_problems(build_id: str, quantize_spec: dict | None) -> list[str]:
     """A build's expert format must be registered, and its bit budget one the format can keep."""
     if not quantize_spec:
         return []
     try:
         expert_format = expert_formats.get(quantize_spec["format"], f"builds.{build_id}.quantize.format")
-    except expert_formats.FormatError as error:
+    except expert_formats.FormatError as error:  # an unknown format: the rest cannot be checked
         return [str(error)]
     budget = quantize_spec.get("max_bits_per_weight")
     problem = budget is not None and expert_format.budget_problem(

@@ -35,8 +35,9 @@ class EvalKind:
     schema: dict | None = None  # its `evals.<id>` config section, for an eval the schema file does not list
 
 
-REGISTRY = plugins.Registry("eval", ("moeshrink.evals.kinds",), "moeshrink.evals", name=lambda kind: kind.id,
-                            origin=lambda kind: kind.runner, error=EvalKindError)
+REGISTRY: plugins.Registry[EvalKind] = plugins.Registry(
+    "eval", ("moeshrink.evals.kinds",), "moeshrink.evals", name=lambda kind: kind.id, origin=lambda kind: kind.runner,
+    error=EvalKindError)
 kinds = REGISTRY.entries
 
 

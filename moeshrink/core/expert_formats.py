@@ -62,8 +62,9 @@ class ExpertFormat:
 
 
 # the built-in TWX3 and TWX2.5 register in twx_layout; other packages' formats come through the entry points
-REGISTRY = plugins.Registry("expert format", ("moeshrink.formats.twx_layout",), "moeshrink.formats",
-                            name=lambda fmt: fmt.name, origin=lambda fmt: fmt.codec, error=FormatError)
+REGISTRY: plugins.Registry[ExpertFormat] = plugins.Registry(
+    "expert format", ("moeshrink.formats.twx_layout",), "moeshrink.formats", name=lambda fmt: fmt.name,
+    origin=lambda fmt: fmt.codec, error=FormatError)
 register = REGISTRY.register
 formats = REGISTRY.entries
 get = REGISTRY.get

@@ -116,7 +116,7 @@ def save_shard(tensors: dict[str, torch.Tensor | StoredTensor], path: Path | str
                 _copy_range(value, sink)
             elif value.numel():
                 flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
-                sink.write(memoryview(flat.numpy()))
+                sink.write(memoryview(flat.numpy()))  # type: ignore[arg-type]  # numpy's stubs lack the buffer protocol
     finally:
         digest = sink.close()
         os.close(fd)

@@ -82,7 +82,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     rows = packed.shape[0]
     words = packed.to(torch.int32).reshape(rows, k // 8, bits)
-    value = sum(words[..., i] << (8 * i) for i in range(bits))
+    value = words[..., 0]
+    for i in range(1, bits):
+        value = value + (words[..., i] << (8 * i))
     shifts = torch.arange(8, dtype=torch.int32) * bits
     return ((value.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(rows, k).to(torch.uint8)
 
@@ -184,8 +186,8 @@ def _table_search(blocks: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarr
     compact[present] = np.arange(present.size, dtype=np.int32)
     cell = np.take(compact, keys, mode="clip")
     cell += (np.arange(rows.size, dtype=np.int32) * np.int32(present.size))[:, None]
-    counts = torch.bincount(torch.from_numpy(cell).reshape(-1), minlength=rows.size * present.size)
-    counts = counts.numpy().reshape(rows.size, present.size).astype(np.float64)
+    counts = torch.bincount(torch.from_numpy(cell).reshape(-1), minlength=rows.size * present.size).numpy()
+    counts = counts.reshape(rows.size, present.size).astype(np.float64)
     table_row = (amax_mantissa[rows].astype(np.float32).view(np.uint32) >> _KEY_SHIFT) & 7
     error_table, code_table = _search_tables(bits)
     row_values = np.unique(table_row)
@@ -215,7 +217,7 @@ def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: in
     all_blocks = weight.reshape(-1, GROUP)
     codes = np.empty((all_blocks.shape[0], GROUP), np.uint8)  # a byte per weight: a quarter of the floats
     scale_bytes = np.empty(all_blocks.shape[0], np.int64)
-    undecided = []
+    undecided_chunks: list[np.ndarray] = []
     per_chunk = chunk_rows * k // GROUP
     for first_block in range(0, all_blocks.shape[0], per_chunk):  # a few MB at a time: memory stays flat
         blocks = all_blocks[first_block:first_block + per_chunk].to(torch.float32).contiguous()
@@ -225,8 +227,8 @@ def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: in
                                  f"the source checkpoint is damaged")
         chunk = slice(first_block, first_block + blocks.shape[0])
         scale_bytes[chunk], codes[chunk], decided = _table_search(blocks, bits)
-        undecided.append(first_block + np.flatnonzero(~decided))
-    undecided = np.concatenate(undecided)
+        undecided_chunks.append(first_block + np.flatnonzero(~decided))
+    undecided = np.concatenate(undecided_chunks)
     if undecided.size:  # one per-weight search for all of them: its per-call cost is not per chunk
         rest = all_blocks[torch.from_numpy(undecided)].to(torch.float32)
         rest_bytes = _best_scale_bytes(rest, levels)

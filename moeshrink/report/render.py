@@ -183,10 +183,14 @@ class Page:
 
     def charts(self) -> dict[str, Markup]:
         out = {}
-        knowledge = [{"label": self.label(b), "bytes": self.bytes_of(b),
-                      "drop": self.paired(b, "mmlu")["drop_points"] if b != self.reference else 0.0,
-                      "at_worst": self.paired(b, "mmlu")["at_worst_points"] if b != self.reference else None}
-                     for b in self.builds if b == self.reference or self.paired(b, "mmlu")]
+        knowledge = []
+        for b in self.builds:
+            paired = self.paired(b, "mmlu")
+            if b == self.reference:
+                knowledge.append({"label": self.label(b), "bytes": self.bytes_of(b), "drop": 0.0, "at_worst": None})
+            elif paired:
+                knowledge.append({"label": self.label(b), "bytes": self.bytes_of(b), "drop": paired["drop_points"],
+                                  "at_worst": paired["at_worst_points"]})
         if len(knowledge) > 1:
             out["size_drop"] = charts.size_against_drop(knowledge, self.judging["pass_mark_points"], "MMLU")
         out["memory"] = charts.stacked_memory([{"label": self.label(b), **self.results.memory[b]} for b in self.builds])
