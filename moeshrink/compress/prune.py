@@ -79,7 +79,8 @@ def router_sum_layers(upstream: Path, spec: dict, calibration_file: Path | None,
     from moeshrink.core.arch import adapter_for
     from moeshrink.core.ioutil import read_json
 
-    layers = adapter_for(read_json(upstream / "config.json")).moe_layers(read_json(upstream / "config.json"))
+    config = read_json(upstream / "config.json")
+    layers = adapter_for(config).moe_layers(config)
     return {layer: router_sum_scores(tensors["weight"]) for layer, tensors in router_tensors(upstream, layers).items()}
 
 
