@@ -147,14 +147,21 @@ def semantic_problems(config: dict) -> list[str]:
     return problems
 
 
+def _registered(get, name: str, where: str):
+    """A registry's entry for `name`, or None and the problem naming the key and the known names."""
+    try:
+        return get(name, where), []
+    except MoeshrinkError as error:
+        return None, [str(error)]
+
+
 def prune_problems(build_id: str, prune_spec: dict | None, source: str) -> list[str]:
     """A build's prune method must be registered; calibration text is given to the methods that read it."""
     if not prune_spec:
         return []
-    if prune_spec["method"] not in prune_methods.methods():
-        return [f"builds.{build_id}.prune.method: {prune_spec['method']!r} is unknown; "
-                f"known: {', '.join(prune_methods.methods())}"]
-    method = prune_methods.methods()[prune_spec["method"]]
+    method, unknown = _registered(prune_methods.get, prune_spec["method"], f"builds.{build_id}.prune.method")
+    if method is None:
+        return unknown
     calibration = prune_spec.get("calibration")
     if not method.calibrated:
         return [f"builds.{build_id}.prune.calibration: method {method.name} reads no calibration text"] \
@@ -171,10 +178,10 @@ def quantize_problems(build_id: str, quantize_spec: dict | None) -> list[str]:
     """A build's expert format must be registered, and its bit budget one the format can keep."""
     if not quantize_spec:
         return []
-    try:
-        expert_format = expert_formats.get(quantize_spec["format"], f"builds.{build_id}.quantize.format")
-    except expert_formats.FormatError as error:  # an unknown format: the rest cannot be checked
-        return [str(error)]
+    expert_format, unknown = _registered(expert_formats.get, quantize_spec["format"],
+                                         f"builds.{build_id}.quantize.format")
+    if expert_format is None:  # an unknown format: the rest cannot be checked
+        return unknown
     budget = quantize_spec.get("max_bits_per_weight")
     problem = budget is not None and expert_format.budget_problem(
         budget, f"builds.{build_id}.quantize.max_bits_per_weight")

@@ -1,4 +1,4 @@
-"""Extension modules. The registries (`expert_formats`, `eval_kinds`) fill themselves on first use by
+"""Extension modules. The registries (`expert_formats`, `prune_methods`, `eval_kinds`) fill themselves on first use by
 importing their built-in modules, the modules another installed package names in the registry's
 entry-point group, and the modules named in MOESHRINK_PLUGINS (comma-separated: modules on the
 Python path that no package installs). Each such module registers its entries when imported."""
@@ -60,8 +60,8 @@ class Registry(Generic[Entry]):
     def entries(self) -> dict[str, Entry]:
         """Every entry by name: the built-in ones first, then the plugins'."""
         if not self.loaded:
-            self.loaded = True
             load(self.builtin, self.group)
+            self.loaded = True
         return dict(self.by_name)
 
     def get(self, name: str, where: str) -> Entry:
