@@ -6,6 +6,8 @@
 # Each study (config key `run`) has its own results/<run>/, logs/<run>/, benchmarks/<run>/ and
 # report/<run>/r013.html; report/r013.html is a copy of the configured study's report.
 
+import os
+
 from snakemake.exceptions import WorkflowError
 
 from moeshrink.core.config import ConfigError, validate
@@ -18,6 +20,9 @@ try:
     validate(config, source=" + ".join(CONFIG_LAYERS))
 except ConfigError as error:
     raise WorkflowError(str(error))
+
+# each stage's environment (envs/, `snakemake --sdm conda`) installs moeshrink from this source
+os.environ["MOESHRINK_SOURCE"] = workflow.basedir
 
 
 include: "rules/common.smk"

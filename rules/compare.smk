@@ -19,6 +19,8 @@ rule compare:
         **CPU_JOB,
         mem_mb=2000,
         runtime=10,
+    conda:
+        "../envs/compare.yaml"
     script:
         "../scripts/compare.py"
 
@@ -37,6 +39,8 @@ rule compare_pair:
         **CPU_JOB,
         mem_mb=2000,
         runtime=10,
+    conda:
+        "../envs/compare.yaml"
     script:
         "../scripts/compare.py"
 
@@ -58,5 +62,7 @@ rule compare_summary:
         **CPU_JOB,
         mem_mb=2000,
         runtime=10,
+    conda:
+        "../envs/compare.yaml"
     script:
         "../scripts/compare_summary.py"

@@ -21,6 +21,8 @@ rule build_plan:
         **CPU_JOB,
         mem_mb=8000,
         runtime=120,
+    conda:
+        "../envs/compress.yaml"
     script:
         "../scripts/build_plan.py"
 
@@ -42,6 +44,8 @@ rule build_shard:
         **CPU_JOB,
         mem_mb=lambda wildcards, attempt: 8000 * attempt,
         runtime=240,
+    conda:
+        "../envs/compress.yaml"
     script:
         "../scripts/build_shard.py"
 
@@ -62,5 +66,7 @@ rule build_gather:
         **CPU_JOB,
         mem_mb=4000,
         runtime=120,
+    conda:
+        "../envs/compress.yaml"
     script:
         "../scripts/build_gather.py"

@@ -38,6 +38,8 @@ rule eval:
         **SERVER_NODE,
         mem_mb=4000,
         runtime=lambda wildcards: 120 + int(config["serve"]["startup_timeout_s"]) // 60,
+    conda:
+        "../envs/serve.yaml"
     script:
         "../scripts/eval.py"
 

@@ -15,6 +15,8 @@ rule report:
         **CPU_JOB,
         mem_mb=2000,
         runtime=10,
+    conda:
+        "../envs/report.yaml"
     script:
         "../scripts/report.py"
 

@@ -24,6 +24,8 @@ rule serve_prediction:
         **SERVER_NODE,
         mem_mb=2000,
         runtime=10,
+    conda:
+        "../envs/serve.yaml"
     script:
         "../scripts/serve_prediction.py"
 
@@ -51,5 +53,7 @@ rule serve_memory:
         **SERVER_NODE,
         mem_mb=lambda wildcards, input: 4000 + 2 * input.size_mb,
         runtime=lambda wildcards: 10 + int(config["serve"]["startup_timeout_s"]) // 60,
+    conda:
+        "../envs/serve.yaml"
     script:
         "../scripts/serve_memory.py"

@@ -20,6 +20,8 @@ if "data" in ORGANISM:
             **CPU_JOB,
             mem_mb=4000,
             runtime=20,
+        conda:
+            "../envs/upstream.yaml"
         script:
             "../scripts/organism_data.py"
 
@@ -44,6 +46,8 @@ if UPSTREAM_SOURCE == "organism":
             **CPU_JOB,
             mem_mb=4000,
             runtime=20,
+        conda:
+            "../envs/upstream.yaml"
         script:
             "../scripts/organism_tokenizer.py"
 
@@ -71,6 +75,8 @@ if UPSTREAM_SOURCE == "organism":
                 **CPU_JOB,
                 mem_mb=8000,
                 runtime=180,
+            conda:
+                "../envs/upstream.yaml"
             script:
                 "../scripts/organism_train.py"
 
@@ -93,6 +99,8 @@ if UPSTREAM_SOURCE == "organism":
                 **CPU_JOB,
                 mem_mb=2000,
                 runtime=10,
+            conda:
+                "../envs/upstream.yaml"
             script:
                 "../scripts/organism_shipped.py"
 
@@ -116,6 +124,8 @@ if UPSTREAM_SOURCE == "organism":
             **CPU_JOB,
             mem_mb=8000,
             runtime=60,
+        conda:
+            "../envs/serve.yaml"
         script:
             "../scripts/organism_card.py"
 
@@ -136,6 +146,8 @@ checkpoint upstream:
         **CPU_JOB,
         mem_mb=8000,
         runtime=240,
+    conda:
+        "../envs/upstream.yaml"
     script:
         "../scripts/upstream.py"
 
@@ -153,6 +165,8 @@ rule upstream_bf16_twin:
         **CPU_JOB,
         mem_mb=8000,
         runtime=120,
+    conda:
+        "../envs/upstream.yaml"
     script:
         "../scripts/upstream_bf16_twin.py"
 
