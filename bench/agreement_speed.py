@@ -24,7 +24,7 @@ from moeshrink.evals import agreement
 from moeshrink.evals.client import RequestPool
 from moeshrink.serve.supervisor import server_args, server_env
 from moeshrink.serve.vllm_server import VLLMServer
-from moeshrink_kernels.vllm_plugin import LOAD_FORMAT
+from moeshrink_kernels.vllm import LOAD_FORMAT
 
 KV_CACHE_BYTES = 1 << 30
 

@@ -99,11 +99,16 @@ def test_mxfp4_experts_match_reference_decode_and_matmul():
 # ----------------------------------------------------------------------------------- the plugin
 @pytest.fixture(scope="module")
 def plugin():
-    from moeshrink_kernels import vllm_plugin
+    """The plugin's modules, once it has registered itself."""
+    from types import SimpleNamespace
 
-    vllm_plugin.register()
-    vllm_plugin.register()  # idempotent: vLLM calls it in every process
-    return vllm_plugin
+    from moeshrink_kernels import vllm as plugin_package
+
+    plugin_package.register()
+    plugin_package.register()  # idempotent: vLLM calls it in every process
+    from moeshrink_kernels.vllm import loader, mxfp4, ops, packed, twx
+
+    return SimpleNamespace(ops=ops, packed=packed, twx=twx, mxfp4=mxfp4, loader=loader)
 
 
 def moe_config(experts: int = EXPERTS, hidden: int = HIDDEN, intermediate: int = INTER):
@@ -133,7 +138,7 @@ def plain_vllm_moe(x, topk_weights, topk_ids, w13: list[torch.Tensor], w2: list[
 def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, budget_experts, monkeypatch):
     """Within one decode group the packed path gives vLLM's own bits for the decoded weights; with
     a budget of two experts it decodes in groups and stays within bf16 rounding."""
-    kernel = plugin.cpu_kernel_for(moe_config())
+    kernel = plugin.ops.cpu_kernel_for(moe_config())
     assert kernel.isa and kernel.padded_intermediate == INTER
     if budget_experts:
         monkeypatch.setenv("MOESHRINK_DECODE_BUDGET_MIB", str(budget_experts * 3 * INTER * HIDDEN * 2 / 2**20))
@@ -173,12 +178,13 @@ def quant_config(**changes) -> dict:
 def test_unknown_format_version_fails_at_load(plugin):
     from vllm.model_executor.layers.quantization import get_quantization_config
 
-    with pytest.raises(plugin.PackedExpertsError, match=r"format_version 2: this plugin reads TWX format versions \[1\]"):
+    with pytest.raises(plugin.packed.PackedExpertsError,
+                       match=r"format_version 2: this plugin reads TWX format versions \[1\]"):
         get_quantization_config("twx").from_config(quant_config(format_version=2))
 
 
 def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin):
-    twx_method, _ = plugin._methods()
+    twx_method = plugin.twx.TWXExpertsMethod
     bits = [3, 2, 3, 3, 2, 2]
     method = twx_method(moe_config(), bits, "model.layers.1.mlp.experts")
     layer = torch.nn.Module()
@@ -205,13 +211,13 @@ def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin):
                              layer.w2_twx_scales, layer.twx_layout)
     assert relative_error(got, reference_moe(x, topk_weights, topk_ids, decoded13, decoded2)) <= 1e-2
     wrong = torch.zeros(INTER, HIDDEN * 3 // 8 + 1, dtype=torch.uint8)
-    with pytest.raises(plugin.PackedExpertsError, match=r"experts\.0\.gate_proj\.twx_codes: expected torch.uint8"):
+    with pytest.raises(plugin.packed.PackedExpertsError, match=r"experts\.0\.gate_proj\.twx_codes: expected torch.uint8"):
         layer.w13_twx_codes.weight_loader(layer.w13_twx_codes, wrong, "model.layers.1.mlp.experts.0.gate_proj.twx_codes",
                                           "w1", 0)
 
 
 def test_mxfp4_loader_places_gate_up_and_down(plugin):
-    _, mxfp4_method = plugin._methods()
+    mxfp4_method = plugin.mxfp4.MXFP4ExpertsMethod
     method = mxfp4_method(moe_config(), "model.layers.1.mlp.experts")
     layer = torch.nn.Module()
     method.create_weights(layer, EXPERTS, HIDDEN, INTER, torch.bfloat16, weight_loader=None)
@@ -251,7 +257,7 @@ def test_weight_count_says_how_vllm_cpu_holds_a_layer(plugin):
     model.proj.weight = torch.nn.Parameter(torch.randn(64, 128).to(torch.bfloat16), requires_grad=False)
     loaded = {id(model.proj): 64 * 128 * 2}
     dispatch_cpu_unquantized_gemm(model.proj, remove_weight=True)
-    held = plugin.cpu_holdings(model, loaded)
+    held = plugin.loader.cpu_holdings(model, loaded)
     predicted = memory.cpu_kind(cpu_facts(), {"dtype": "bfloat16"})
     assert held["kind"] == ("packed" if predicted == "amx" else predicted)  # no MLA layer: no AMX_MLA
     assert held["resident_bytes"] == 64 * 128 * 2

@@ -102,7 +102,7 @@ def test_measured_memory_json_on_both_platforms():
 
 def test_likely_cause_on_top():
     assert likely_cause("torch.OutOfMemoryError: CUDA out of memory").startswith("out of memory")
-    assert "refused the build: layer 3" in likely_cause("moeshrink_kernels.vllm_plugin.PackedExpertsError: layer 3")
+    assert "refused the build: layer 3" in likely_cause("moeshrink_kernels.vllm.packed.PackedExpertsError: layer 3")
 
 
 # ------------------------------------------------------------------------- the planner on the presets
@@ -297,7 +297,7 @@ def test_cpu_kind_from_what_torch_reports():
 
 
 def test_measured_memory_compares_the_kind_vllm_took():
-    line = ('(Worker pid=1) INFO 12-03 16:59:46 [vllm_plugin.py:386] moeshrink weights: {"weight_bytes": 4611136, '
+    line = ('(Worker pid=1) INFO 12-03 16:59:46 [loader.py:87] moeshrink weights: {"weight_bytes": 4611136, '
             '"parameter_bytes": 4348928, "routed_expert_bytes": 2506752, "cpu": {"kind": "packed", "facts": null, '
             '"unique_bytes": 4086848, "packed_outside_parameters_bytes": 2129920, "resident_bytes": 6216768}}')
     log = "\n".join(line if "moeshrink weights" in row else row

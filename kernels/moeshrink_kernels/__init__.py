@@ -2,7 +2,7 @@
 
 `experts` computes a MoE layer's routed experts from packed weights (TWX or MXFP4), decoding one
 expert at a time with the reference decoders; `triton_experts` does the same on CUDA GPUs with a
-Triton kernel that decodes inside the matmul; `vllm_plugin` registers the quantization methods
+Triton kernel that decodes inside the matmul; `vllm` (the plugin) registers the quantization methods
 that let vLLM load and serve such checkpoints. Importing this package imports neither vLLM nor triton.
 """
 
