@@ -13,7 +13,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "organism"]
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "envs", "organism"]
 
 
 def import_plugin(monkeypatch, registry, module: str):
