@@ -26,7 +26,8 @@ from moeshrink.core.provenance import Provenance
 from moeshrink.evals import next_token
 from moeshrink.serve.vllm_server import VLLMServer
 from moeshrink.upstream.twin import make_twin
-from moeshrink_kernels.vllm import LOAD_FORMAT, WEIGHTS_LINE
+from moeshrink_kernels import WEIGHTS_LINE
+from moeshrink_kernels.vllm import LOAD_FORMAT
 
 
 def corpus_prompts(workdir: Path, count: int, length: int) -> list[list[int]]:

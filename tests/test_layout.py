@@ -150,3 +150,24 @@ def test_the_type_checker_passes_on_the_core_packages():  # the packages pyproje
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "moeshrink/core" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_every_name_the_entry_points_import_from_the_project_exists():
+    """scripts/, bench/ and the tests are not imported by the suite's fast part: a renamed or moved
+    name they import from moeshrink or moeshrink_kernels is caught here, not on a GPU node."""
+    code = ("import ast, importlib, pathlib, sys\n"
+            "missing = []\n"
+            "for path in sorted([*pathlib.Path('scripts').glob('*.py'), *pathlib.Path('bench').glob('*.py'),\n"
+            "                    *pathlib.Path('tests').glob('*.py')]):\n"
+            "    for node in ast.walk(ast.parse(path.read_text())):\n"
+            "        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \\\n"
+            "                node.module.split('.')[0] in ('moeshrink', 'moeshrink_kernels'):\n"
+            "            module = importlib.import_module(node.module)\n"
+            "            for alias in node.names:\n"
+            "                if not hasattr(module, alias.name) and \\\n"
+            "                        importlib.util.find_spec(f'{node.module}.{alias.name}') is None:\n"
+            "                    missing.append(f'{path}: {node.module}.{alias.name}')\n"
+            "print(missing)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]", result.stdout
