@@ -11,7 +11,7 @@ from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedM
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from moeshrink_kernels.experts import CPUKernel
+from moeshrink_kernels.experts import CPUKernel, mxfp4_routed_experts, twx_routed_experts
 
 logger = init_logger("vllm.moeshrink")
 _ops_library = None
@@ -20,8 +20,6 @@ _ops_library = None
 def _twx_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
             w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
             layout: torch.Tensor, isa: str, padded_intermediate: int) -> torch.Tensor:
-    from moeshrink_kernels.experts import CPUKernel, twx_routed_experts
-
     if x.is_cuda:
         from moeshrink_kernels.triton_experts import triton_twx_routed_experts
 
@@ -35,8 +33,6 @@ def _twx_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 def _mxfp4_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_packed: torch.Tensor,
               w13_scales: torch.Tensor, w2_packed: torch.Tensor, w2_scales: torch.Tensor, isa: str,
               padded_intermediate: int) -> torch.Tensor:
-    from moeshrink_kernels.experts import CPUKernel, mxfp4_routed_experts
-
     if x.is_cuda:
         from moeshrink_kernels.triton_experts import triton_mxfp4_routed_experts
 

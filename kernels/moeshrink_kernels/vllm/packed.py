@@ -96,6 +96,9 @@ class PackedExpertsMethod(FusedMoEMethodBase):
 
 
 class PackedExpertsConfig(QuantizationConfig):
+    """What both formats' configs share: activations in any float dtype, no extra files, no GPU
+    capability floor, and only the routed experts quantized (every linear layer stays unquantized)."""
+
     name = ""
 
     def __init__(self, quant_config: dict):
