@@ -138,8 +138,17 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def _command(sub, func, *, help: str, reads_config: bool = False) -> argparse.ArgumentParser:
+    """The subcommand that `func` (cmd_<name>) runs; `--config` where it reads the study's config."""
+    command = sub.add_parser(func.__name__.removeprefix("cmd_").replace("_", "-"), help=help)
+    command.set_defaults(func=func)
+    if reads_config:
+        command.add_argument("--config", nargs="+", default=["config.yaml"], help=CONFIG_HELP)
+    return command
+
+
 def _add_stats_parser(sub) -> None:
-    p = sub.add_parser("stats", help="re-check a report's paired statistics from its published counts (prints JSON)")
+    p = _command(sub, cmd_stats, help="re-check a report's paired statistics from its published counts (prints JSON)")
     tests = p.add_subparsers(dest="test", required=True)
     t = tests.add_parser("mcnemar", help="exact McNemar p-value (two-sided) from the discordant counts")
     t.add_argument("--only-ref", type=int, required=True, help="items right only for the reference")
@@ -153,39 +162,34 @@ def _add_stats_parser(sub) -> None:
     t.add_argument("--total-a", type=int, required=True)
     t.add_argument("--bad-b", type=int, required=True)
     t.add_argument("--total-b", type=int, required=True)
-    p.set_defaults(func=cmd_stats)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moeshrink", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate-config", help="check config files, each laid over config.yaml, against the schema "
-                                                 "(moeshrink/core/config.schema.yaml)")
+    p = _command(sub, cmd_validate_config, help="check config files, each laid over config.yaml, against the "
+                                                "schema (moeshrink/core/config.schema.yaml)")
     p.add_argument("files", nargs="*", default=["config.yaml"])
-    p.set_defaults(func=cmd_validate_config)
 
-    p = sub.add_parser("upstream", help="make results/<run>/upstream/ from the configured source "
-                                        "(for the organism: data, tokenizer, training, publication, twin, card)")
-    p.add_argument("--config", nargs="+", default=["config.yaml"], help=CONFIG_HELP)
+    p = _command(sub, cmd_upstream, reads_config=True,
+                 help="make results/<run>/upstream/ from the configured source "
+                      "(for the organism: data, tokenizer, training, publication, twin, card)")
     p.add_argument("--results", help="default: results/<run> (the config's study)")
     p.add_argument("--workers", type=int, default=2, help="parallel sha256 workers")
-    p.set_defaults(func=cmd_upstream)
 
-    p = sub.add_parser("ship-organism", help="write the shipped organism from a finished training run "
-                                             "(results/<run>/organism/trained after train.from: scratch)")
-    p.add_argument("--config", nargs="+", default=["config.yaml"], help=CONFIG_HELP)
+    p = _command(sub, cmd_ship_organism, reads_config=True,
+                 help="write the shipped organism from a finished training run "
+                      "(results/<run>/organism/trained after train.from: scratch)")
     p.add_argument("--trained", help="default: results/<run>/organism/trained")
     p.add_argument("--tokenizer", help="default: results/<run>/organism/tokenizer/tokenizer.json")
     p.add_argument("--out", default="organism/shipped")
-    p.set_defaults(func=cmd_ship_organism)
 
-    p = sub.add_parser("twin", help="decode an MXFP4 checkpoint folder into its exact bf16 twin")
+    p = _command(sub, cmd_twin, help="decode an MXFP4 checkpoint folder into its exact bf16 twin")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
-    p.set_defaults(func=cmd_twin)
 
-    p = sub.add_parser("prune", help="drop routed experts (the pruned75 card's router_sum, or reap)")
+    p = _command(sub, cmd_prune, help="drop routed experts (the pruned75 card's router_sum, or reap)")
     p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
     p.add_argument("--output", required=True)
     p.add_argument("--keep-fraction", type=float, required=True)
@@ -193,25 +197,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", help="reap: calibration text (.jsonl with a text field, or plain text)")
     p.add_argument("--sequences", type=int, default=32, help="reap: calibration sequences")
     p.add_argument("--seq-len", type=int, default=256, help="reap: tokens per calibration sequence")
-    p.set_defaults(func=cmd_prune)
 
-    p = sub.add_parser("quantize", help="re-encode routed experts in an expert format (TWX3, TWX2.5, or a plugin's)")
+    p = _command(sub, cmd_quantize,
+                 help="re-encode routed experts in an expert format (TWX3, TWX2.5, or a plugin's)")
     p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
     p.add_argument("--output", required=True)
     p.add_argument("--format", choices=list(expert_formats.formats()), required=True)
     p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (default: " + ", ".join(
         f"{name} {fmt.default_budget:g}" for name, fmt in expert_formats.formats().items()) + ")")
-    p.set_defaults(func=cmd_quantize)
 
-    p = sub.add_parser("plan", help="predict weights, KV-cache room and tokens per card for every build, GPU type "
-                                    "and tensor-parallel size, from checkpoint headers and config.json alone")
-    p.add_argument("--config", nargs="+", default=["config.yaml"], help=CONFIG_HELP)
+    p = _command(sub, cmd_plan, reads_config=True,
+                 help="predict weights, KV-cache room and tokens per card for every build, GPU type "
+                      "and tensor-parallel size, from checkpoint headers and config.json alone")
     p.add_argument("--results", help="where built builds and the upstream are looked for (default: results/<run>)")
     p.add_argument("--json", help="also write the table as JSON here")
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("serve", help="serve one build with vLLM while jobs lease it (the supervisor the first "
-                                     "lessee starts; see moeshrink.serve.server_lease)")
+    p = _command(sub, cmd_serve, help="serve one build with vLLM while jobs lease it (the supervisor the first "
+                                      "lessee starts; see moeshrink.serve.server_lease)")
     p.add_argument("--build", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--serve-json", required=True, help="the serve config subtree as JSON")
@@ -222,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", required=True, help="the server's record: queued, starting, ready, failed, stopped")
     p.add_argument("--queue-order", type=int, default=0, help="the build's place in the machine's server queue")
     p.add_argument("--log", required=True, help="the server's raw log")
-    p.set_defaults(func=cmd_serve)
 
     _add_stats_parser(sub)
     return parser

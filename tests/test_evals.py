@@ -130,7 +130,26 @@ def test_eval_sets_are_checked_before_any_request(tmp_path):
         sets.take([{}] * 3, 9, "evals.facts.passages", "passages.jsonl")
 
 
-class _Flaky(BaseHTTPRequestHandler):
+class _JSONHandler(BaseHTTPRequestHandler):
+    def reply(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server_url(request):
+    """A local HTTP server on a free port, answering with the handler class the test names."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), request.param)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+class _Flaky(_JSONHandler):
     failures_left = 0
     status = 503
     seen = 0
@@ -140,29 +159,14 @@ class _Flaky(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers["Content-Length"]))
         if type(self).failures_left:
             type(self).failures_left -= 1
-            self.send_response(type(self).status)
-            self.end_headers()
-            self.wfile.write(b'{"error": "busy"}')
+            self.reply(type(self).status, b'{"error": "busy"}')
             return
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b'{"ok": true}')
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, b'{"ok": true}')
 
 
-@pytest.fixture
-def flaky_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-
-
-def test_transport_errors_are_retried_with_backoff_then_fail_naming_the_item(flaky_server):
-    client = ServerClient(f"http://127.0.0.1:{flaky_server.server_port}", "key")
+@pytest.mark.parametrize("server_url", [_Flaky], indirect=True)
+def test_transport_errors_are_retried_with_backoff_then_fail_naming_the_item(server_url):
+    client = ServerClient(server_url, "key")
     pool = RequestPool(client, concurrency=2, retries=3, timeout_s=5, backoff_s=0.01, label="b/facts")
     _Flaky.failures_left, _Flaky.status, _Flaky.seen = 2, 503, 0
     assert pool.map("/x", [("item-1", {})]) == [{"ok": True}] and pool.retried == 2
@@ -206,7 +210,7 @@ def test_organism_tasks_render_as_lm_eval_renders_mmlu_and_gsm8k(tmp_path):
     assert gsm_task.fewshot_context(doc, 5) == expected
 
 
-class _NonFinite(BaseHTTPRequestHandler):
+class _NonFinite(_JSONHandler):
     """Stands in for vLLM serving a build that computes NaN from prompt position `bad_position` on
     and for every generated token from `bad_generated` on: like vLLM, it cannot encode such a reply."""
     bad_position = 7
@@ -218,32 +222,17 @@ class _NonFinite(BaseHTTPRequestHandler):
         nan = ((body.get("prompt_logprobs") is not None or body.get("echo")) and len(prompt) > self.bad_position) or \
             (bool(body.get("logprobs")) and body.get("max_tokens", 0) > self.bad_generated)
         if nan and body.get("note") != "fine":
-            self.send_response(400)
-            self.end_headers()
-            self.wfile.write(json.dumps({"error": {"message": "Out of range float values are not JSON compliant",
-                                                   "type": "BadRequestError", "code": 400}}).encode())
+            self.reply(400, json.dumps({"error": {"message": "Out of range float values are not JSON compliant",
+                                                  "type": "BadRequestError", "code": 400}}).encode())
             return
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b'{"choices": []}')
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, b'{"choices": []}')
 
 
-@pytest.fixture
-def nonfinite_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NonFinite)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-
-
-def test_nonfinite_values_fail_the_eval_naming_build_item_and_position(nonfinite_server):
+@pytest.mark.parametrize("server_url", [_NonFinite], indirect=True)
+def test_nonfinite_values_fail_the_eval_naming_build_item_and_position(server_url):
     """All items are read; those the server could not encode are counted and located (prompt
     position by shorter prefixes, generated token by fewer tokens), never a bare JSON error."""
-    pool = RequestPool(ServerClient(nonfinite_server, "key"), concurrency=4, retries=2, timeout_s=5, backoff_s=0.01,
+    pool = RequestPool(ServerClient(server_url, "key"), concurrency=4, retries=2, timeout_s=5, backoff_s=0.01,
                        label="pruned75/agreement")
     prompts = [("passage-1", {"prompt": list(range(100, 146)), "max_tokens": 1, "prompt_logprobs": 1}),
                ("passage-2", {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 1, "note": "fine"}),
@@ -252,7 +241,7 @@ def test_nonfinite_values_fail_the_eval_naming_build_item_and_position(nonfinite
                                         r"passage-1 at prompt position 7 \(token id 107\); passage-3 at prompt "
                                         r"position 7 \(token id 7\)"):
         pool.map("/v1/completions", prompts)
-    chat = RequestPool(ServerClient(nonfinite_server, "key"), 2, 0, 5, 0.01, label="twx3/facts")
+    chat = RequestPool(ServerClient(server_url, "key"), 2, 0, 5, 0.01, label="twx3/facts")
     with pytest.raises(EvalError, match=r"twx3/facts: 1 of 1 item\(s\).*fact-9 at generated token 3"):
         chat.map("/v1/chat/completions", [("fact-9", {"messages": [], "max_tokens": 160, "logprobs": True})])
 
