@@ -173,7 +173,6 @@ def dsv3_experts(distribution: str, experts: int, rows: int, seed: int = 0
 
 
 def measure(experts: Callable[[], Iterator[tuple[ExpertKey, torch.Tensor]]], ggml: GGML | None) -> dict:
-    methods: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = dict(METHODS)
     norms: dict[int, dict[int, float]] = {}
     for (layer, expert), weight in experts():
         norms.setdefault(layer, {}).setdefault(expert, 0.0)
@@ -181,19 +180,19 @@ def measure(experts: Callable[[], Iterator[tuple[ExpertKey, torch.Tensor]]], ggm
     twx2_5 = expert_formats.get("twx2.5", "bench")
     plan_bits = allocate_bits(norms, relative_error(twx2_5, 2) - relative_error(twx2_5, 3),
                               twx2_5.default_budget, twx2_5)
-    squared_error = {f"{m}{b}": 0.0 for m in methods for b in (2, 3)}
-    squared_error.update({f"{m}_mix": 0.0 for m in methods})
+    squared_error = {f"{m}{b}": 0.0 for m in METHODS for b in (2, 3)}
+    squared_error.update({f"{m}_mix": 0.0 for m in METHODS})
     peers = list(GGML_TYPES) if ggml else []
     squared_error.update({peer: 0.0 for peer in peers})
     if ggml:
         squared_error["ggml_mix"] = 0.0
     total, weights = 0.0, 0
-    seconds = {m: 0.0 for m in [*methods, *peers]}
+    seconds = {m: 0.0 for m in [*METHODS, *peers]}
     for (layer, expert), weight in experts():
         total += float(weight.double().pow(2).sum())
         weights += weight.numel()
         mix_bits = plan_bits[layer][expert]
-        for method, roundtrip in methods.items():
+        for method, roundtrip in METHODS.items():
             for bits in (2, 3):
                 start = time.perf_counter()
                 error = float((roundtrip(weight, bits) - weight).double().pow(2).sum())
