@@ -10,7 +10,9 @@ Prints, each against a baseline measured in the same run:
 - peak RSS of one shard job (prune and TWX3, each in a fresh process) over that shard's size + 1 GiB
   (target: <= 1.5 x shard + 1 GiB);
 - TWX3 / TWX2 quantize throughput in source GB/s per core (one thread), and the reference
-  decoder's throughput beside it (one thread, TWX bytes read per second).
+  decoder's throughput beside it (one thread, TWX bytes read per second);
+- TWX v2's encoder on the first `--v2-tensors` of the same weights, against v1's on those weights
+  (issue 19: v2 no slower than v1).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from moeshrink.core.checkpoint import INDEX_FILE, build_manifest, read_header, w
 from moeshrink.core.ioutil import atomic_write_json, read_json
 from moeshrink.core.provenance import Provenance
 from moeshrink.core.shardio import data_start, save_shard
-from moeshrink.formats import twx
+from moeshrink.formats import twx, twx_vq
 
 GIB = 1 << 30
 SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 1024, "intermediate_size": 4096, "n_routed_experts": 64,
@@ -172,20 +174,28 @@ def interpreter_rss() -> int:
     return peak_rss_of("import torch, safetensors, moeshrink.compress.builder")
 
 
-def quantize_throughput(source: Path, shard: str, bits: int, limit: int) -> dict:
-    """Encode and decode up to `limit` expert weights of one shard on one thread."""
+def quantize_throughput(source: Path, shard: str, bits: int, limit: int, v2_limit: int) -> dict:
+    """Encode and decode up to `limit` expert weights of one shard on one thread; v2 encodes the first
+    `v2_limit` of them."""
     from moeshrink.formats.source_experts import read_expert_weight
 
     torch.set_num_threads(1)
-    encode_s = decode_s = plain_s = 0.0
-    source_bytes = twx_bytes = weights = 0
+    encode_s = decode_s = plain_s = v2_s = v1_on_v2_s = 0.0
+    source_bytes = twx_bytes = weights = v2_weights = 0
     with safe_open(str(source / shard), "pt") as f:
         names = [n for n in f.keys() if ".mlp.experts." in n and n.endswith(".weight")][:limit]
-        for name in names:
+        for position, name in enumerate(names):
             start = time.perf_counter()
             weight = read_expert_weight(f, name, "mxfp4")
             codes, scales = twx.encode(weight, bits)
-            encode_s += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            encode_s += seconds
+            if position < v2_limit:  # both timings include reading and decoding the MXFP4 source
+                v1_on_v2_s += seconds
+                start = time.perf_counter()
+                twx_vq.encode(read_expert_weight(f, name, "mxfp4"), bits)
+                v2_s += time.perf_counter() - start
+                v2_weights += weight.numel()
             start = time.perf_counter()
             plain = twx.encode_plain(weight, bits)
             plain_s += time.perf_counter() - start
@@ -205,7 +215,11 @@ def quantize_throughput(source: Path, shard: str, bits: int, limit: int) -> dict
             "encode_gweights_per_s_per_core": weights / encode_s / 1e9,
             "plain_torch_encode_gweights_per_s_per_core": weights / plain_s / 1e9,
             "encode_speedup_over_plain_torch": plain_s / encode_s,
-            "decode_gweights_per_s_per_core": weights / decode_s / 1e9}
+            "decode_gweights_per_s_per_core": weights / decode_s / 1e9,
+            "v2": {"tensors": min(v2_limit, len(names)), "weights": v2_weights,
+                   "encode_gweights_per_s_per_core": v2_weights / v2_s / 1e9 if v2_s else None,
+                   "v1_encode_gweights_per_s_per_core": v2_weights / v1_on_v2_s / 1e9 if v1_on_v2_s else None,
+                   "v2_over_v1_encode_seconds": v2_s / v1_on_v2_s if v1_on_v2_s else None, "target": 1.0}}
 
 
 def main() -> int:
@@ -213,6 +227,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeshrink-bench"))
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--quantize-tensors", type=int, default=48, help="expert weights timed for throughput")
+    parser.add_argument("--v2-tensors", type=int, default=4, help="of those, how many TWX v2 also encodes")
     parser.add_argument("--repeats", type=int, default=3, help="prune and copy runs, alternated; best of each")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoint for the next run")
@@ -264,7 +279,7 @@ def main() -> int:
 
     results["throughput"] = []
     for bits in (3, 2):
-        figures = quantize_throughput(source, largest["file"], bits, args.quantize_tensors)
+        figures = quantize_throughput(source, largest["file"], bits, args.quantize_tensors, args.v2_tensors)
         results["throughput"].append(figures)
         print(f"TWX{bits} quantize: {figures['encode_source_gb_per_s_per_core']:.3f} source GB/s per core; "
               f"reference decode: {figures['decode_twx_gb_per_s_per_core']:.3f} TWX GB/s per core "
@@ -272,6 +287,11 @@ def main() -> int:
               f"{figures['encode_gweights_per_s_per_core']:.3f} encoded); the plain-torch search on the same "
               f"weights: {figures['plain_torch_encode_gweights_per_s_per_core']:.4f} G weights/s, "
               f"speed-up {figures['encode_speedup_over_plain_torch']:.2f}x, bit-identical")
+        v2 = figures["v2"]
+        if v2["tensors"]:
+            print(f"TWX{bits} v2 quantize, {v2['tensors']} of those tensors: {v2['encode_gweights_per_s_per_core']:.4f} "
+                  f"G weights/s per core against v1's {v2['v1_encode_gweights_per_s_per_core']:.4f} on the same "
+                  f"tensors: v2 takes {v2['v2_over_v1_encode_seconds']:.1f}x v1's time (target <= 1)")
     if args.json:
         atomic_write_json(args.json, {**results, "provenance": prov.record()})
     if not args.keep:

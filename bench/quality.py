@@ -45,7 +45,7 @@ from moeshrink.core import expert_formats
 from moeshrink.core.arch import adapter_for
 from moeshrink.core.ioutil import atomic_write_json, read_json
 from moeshrink.core.provenance import Provenance
-from moeshrink.formats import mxfp4, twx
+from moeshrink.formats import mxfp4, twx, twx_vq
 from moeshrink.formats.source_experts import source_format
 
 TARGET_RATIO = 0.7
@@ -53,10 +53,11 @@ SETS = ("organism", "dsv3-gauss", "dsv3-laplace")
 # ggml type ids (ggml.h) of the peers; each peer is compared with the TWX code of its role
 GGML_TYPES = {"Q3_K": 11, "IQ3_S": 21, "IQ3_XXS": 18, "Q2_K": 10, "IQ2_S": 22, "IQ2_XS": 17}
 GGML_ROW = 256
-# issue 19's targets for TWX v2, each against a ggml peer: (TWX key, peer key, most bits, most ratio)
-PEER_TARGETS = {"TWX3 vs IQ3_S": ("twx3", "IQ3_S", 3.25, 1.0),
-                "TWX2.5 vs IQ3_XXS/IQ2_XS mix": ("twx_mix", "ggml_mix", 2.75, 0.9),
-                "TWX2 vs IQ2_XS": ("twx2", "IQ2_XS", 2.31, 1.0)}
+# issue 19's targets for TWX v2, each against a ggml peer: (TWX code key suffix, peer key, most bits, most ratio)
+PEER_TARGETS = {"TWX3 vs IQ3_S": ("3", "IQ3_S", 3.25, 1.0),
+                "TWX2.5 vs IQ3_XXS/IQ2_XS mix": ("_mix", "ggml_mix", 2.75, 0.9),
+                "TWX2 vs IQ2_XS": ("2", "IQ2_XS", 2.31, 1.0)}
+TWX_VERSIONS = {"v1": "twx", "v2": "twx_v2"}  # format version: its key in METHODS
 
 
 def block_absmax(weight: torch.Tensor, scale_in_8_bits: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,13 +84,12 @@ def rtn_int(weight: torch.Tensor, bits: int, scale_in_8_bits: bool) -> torch.Ten
     return (torch.round(blocks / scale).clamp(-top, top) * scale).reshape(weight.shape)
 
 
-def twx_roundtrip(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    codes, scales = twx.encode(weight, bits)
-    return twx.decode(codes, scales, torch.float32)
+def roundtrip(codec) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    return lambda weight, bits: codec.decode(*codec.encode(weight, bits), torch.float32)
 
 
 METHODS = {
-    "twx": twx_roundtrip,
+    "twx": roundtrip(twx), "twx_v2": roundtrip(twx_vq),
     "rtn": lambda w, b: rtn_uniform(w, b, True), "int": lambda w, b: rtn_int(w, b, True),
     "rtn_fullscale": lambda w, b: rtn_uniform(w, b, False), "int_fullscale": lambda w, b: rtn_int(w, b, False),
 }
@@ -228,13 +228,15 @@ def measure(experts: Callable[[], Iterator[tuple[ExpertKey, torch.Tensor]]], ggm
         bits = {peer: ggml.bits_per_weight(peer) for peer in peers}
         bits["ggml_mix"] = three_bit_share * bits["IQ3_XXS"] + (1 - three_bit_share) * bits["IQ2_XS"]
         wide, narrow = twx2_5.bits_per_weight(3), twx2_5.bits_per_weight(2)
-        twx_bits = {"twx3": wide, "twx2": narrow, "twx_mix": three_bit_share * wide + (1 - three_bit_share) * narrow}
+        twx_bits = {"3": wide, "2": narrow, "_mix": three_bit_share * wide + (1 - three_bit_share) * narrow}
         targets = {}
-        for name, (key, peer, most_bits, most_ratio) in PEER_TARGETS.items():
-            ratio_to_peer = relative[key] / relative[peer]
-            targets[name] = {"twx_bits_per_weight": twx_bits[key], "peer_bits_per_weight": bits[peer],
-                             "ratio": ratio_to_peer, "most_ratio": most_ratio, "most_bits": most_bits,
-                             "met": twx_bits[key] <= most_bits and ratio_to_peer <= most_ratio}
+        for version, method in TWX_VERSIONS.items():
+            for name, (suffix, peer, most_bits, most_ratio) in PEER_TARGETS.items():
+                ratio_to_peer = relative[method + suffix] / relative[peer]
+                targets[f"{name}, {version}"] = {
+                    "twx_bits_per_weight": twx_bits[suffix], "peer_bits_per_weight": bits[peer], "ratio": ratio_to_peer,
+                    "most_ratio": most_ratio, "most_bits": most_bits,
+                    "met": twx_bits[suffix] <= most_bits and ratio_to_peer <= most_ratio}
         result["ggml"] = {"library": str(ggml.library), "bits_per_weight": bits, "row": GGML_ROW, "targets": targets}
     return result
 
@@ -244,8 +246,8 @@ def report(set_name: str, result: dict) -> bool:
     print(f"[{set_name}] routed-expert weights: {result['weights']:,}; relative squared error:")
     for label, suffix in (("3-bit", "3"), ("2-bit", "2"),
                           (f"2/3 mix ({result['twx2_5_three_bit_expert_share']:.0%} of experts at 3 bits)", "_mix")):
-        print(f"  {label}: TWX {e['twx' + suffix]:.4f}  " + "  ".join(
-            f"{kind.upper()} {e[kind + suffix]:.4f}" for kind in METHODS if kind != "twx"))
+        print(f"  {label}: TWX {e['twx' + suffix]:.4f}  TWX v2 {e['twx_v2' + suffix]:.4f}  " + "  ".join(
+            f"{kind.upper()} {e[kind + suffix]:.4f}" for kind in METHODS if not kind.startswith("twx")))
     for name, ratios in result["ratios"].items():
         print(f"  against round-to-nearest, {name}: TWX3/RTN3 = {ratios['twx3_over_rtn3']:.3f}, "
               f"TWX2.5/RTN mix = {ratios['twx2_5_over_rtn_mix']:.3f}, TWX2/RTN2 = {ratios['twx2_over_rtn2']:.3f}")

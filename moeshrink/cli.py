@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="reap: tokens per calibration sequence")
 
     p = _command(sub, cmd_quantize,
-                 help="re-encode routed experts in an expert format (TWX3, TWX2.5, or a plugin's)")
+                 help="re-encode routed experts in an expert format (TWX3, TWX2.5, their v2, or a plugin's)")
     p.add_argument("--input", required=True, help="a checkpoint folder in Hugging Face layout")
     p.add_argument("--output", required=True)
     p.add_argument("--format", choices=list(expert_formats.formats()), required=True)

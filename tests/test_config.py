@@ -85,7 +85,7 @@ def test_out_of_range_and_bad_enum(default_config):
 
 
 @pytest.mark.parametrize("quantize,problem", [
-    ({"format": "twx2"}, "builds.twx2_5.quantize.format: 'twx2' is unknown; known: twx3, twx2.5"),
+    ({"format": "twx2"}, "builds.twx2_5.quantize.format: 'twx2' is unknown; known: twx3, twx2.5, twx3-v2, twx2.5-v2"),
     ({"format": "twx3", "max_bits_per_weight": 3.0},
      "builds.twx2_5.quantize.max_bits_per_weight: twx3 stores at least 3.25 bits per weight, more than 3"),
     ({"format": "twx2.5", "max_bits_per_weight": 4.0},

@@ -27,7 +27,7 @@ def test_the_builtin_formats_and_their_budgets():
     assert known["twx3"].bits_per_weight(3) == 3.25 and known["twx2.5"].default_budget == 2.75
     assert known["twx2.5"].budget_problem(2.0, "k").startswith("k: twx2.5 stores at least 2.25 bits per weight")
     assert known["twx2.5"].budget_problem(2.5, "k") is None
-    with pytest.raises(expert_formats.FormatError, match=r"^b: 'nf4' is unknown; known: twx3, twx2.5$"):
+    with pytest.raises(expert_formats.FormatError, match=r"^b: 'nf4' is unknown; known: twx3, twx2.5, twx3-v2, twx2.5-v2$"):
         expert_formats.get("nf4", "b")
 
 

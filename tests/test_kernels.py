@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeshrink.core import expert_formats
 from moeshrink.formats import mxfp4, twx
-from moeshrink_kernels.experts import TWXLayout, mxfp4_routed_experts, twx_routed_experts
+from moeshrink_kernels.experts import TWX_CODECS, TWXLayout, mxfp4_routed_experts, twx_routed_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 6, 2
 
@@ -32,22 +33,22 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float() - expected).norm() / expected.norm())
 
 
-def packed_twx_layer(weights13, weights2, bits):
+def packed_twx_layer(weights13, weights2, bits, codec=twx):
     layout = TWXLayout.of(bits, HIDDEN, INTER)
     codes13, scales13, codes2, scales2 = [], [], [], []
     for e, b in enumerate(bits):
-        c, s = twx.encode(weights13[e], b)
+        c, s = codec.encode(weights13[e], b)
         codes13.append(c.reshape(-1)), scales13.append(s)
-        c, s = twx.encode(weights2[e], b)
+        c, s = codec.encode(weights2[e], b)
         codes2.append(c.reshape(-1)), scales2.append(s)
     return (torch.cat(codes13), torch.stack(scales13), torch.cat(codes2), torch.stack(scales2), layout)
 
 
-def packed_and_decoded(weights13, weights2, bits=(3, 2, 3, 3, 2, 2)):
+def packed_and_decoded(weights13, weights2, bits=(3, 2, 3, 3, 2, 2), codec=twx):
     """A TWX2.5-like layer (mixed widths) packed, and each expert's reference decode in bf16."""
-    decoded13 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights13, bits)]
-    decoded2 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
-    return packed_twx_layer(weights13, weights2, list(bits)), decoded13, decoded2
+    decoded13 = [codec.decode(*codec.encode(w, b), torch.bfloat16) for w, b in zip(weights13, bits)]
+    decoded2 = [codec.decode(*codec.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
+    return packed_twx_layer(weights13, weights2, list(bits), codec), decoded13, decoded2
 
 
 @pytest.mark.parametrize("source", ["random", "organism"])
@@ -134,10 +135,11 @@ def plain_vllm_moe(x, topk_weights, topk_ids, w13: list[torch.Tensor], w2: list[
     return out
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("budget_experts", [None, 2])
-def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, budget_experts, monkeypatch):
+def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, budget_experts, version, monkeypatch):
     """Within one decode group the packed path gives vLLM's own bits for the decoded weights; with
-    a budget of two experts it decodes in groups and stays within bf16 rounding."""
+    a budget of two experts it decodes in groups and stays within bf16 rounding (TWX v1 and v2)."""
     kernel = plugin.ops.cpu_kernel_for(moe_config())
     assert kernel.isa and kernel.padded_intermediate == INTER
     if budget_experts:
@@ -145,10 +147,12 @@ def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, budget_expe
     generator = torch.Generator().manual_seed(4)
     weights13 = [torch.randn(2 * INTER, HIDDEN, generator=generator) * 0.05 for _ in range(EXPERTS)]
     weights2 = [torch.randn(HIDDEN, INTER, generator=generator) * 0.05 for _ in range(EXPERTS)]
-    (codes13, scales13, codes2, scales2, layout), decoded13, decoded2 = packed_and_decoded(weights13, weights2)
+    (codes13, scales13, codes2, scales2, layout), decoded13, decoded2 = packed_and_decoded(
+        weights13, weights2, codec=TWX_CODECS[version])
     x = torch.randn(11, HIDDEN, generator=generator).to(torch.bfloat16)
     topk_weights, topk_ids = routing(11, generator)
-    got = twx_routed_experts(x, topk_weights, topk_ids, codes13, scales13, codes2, scales2, layout.as_tensor(), kernel)
+    got = twx_routed_experts(x, topk_weights, topk_ids, codes13, scales13, codes2, scales2, layout.as_tensor(), kernel,
+                             version)
     twin = plain_vllm_moe(x, topk_weights, topk_ids, decoded13, decoded2, kernel.isa)
     if budget_experts is None:
         assert torch.equal(got, twin)
@@ -179,14 +183,25 @@ def test_unknown_format_version_fails_at_load(plugin):
     from vllm.model_executor.layers.quantization import get_quantization_config
 
     with pytest.raises(plugin.packed.PackedExpertsError,
-                       match=r"format_version 2: this plugin reads TWX format versions \[1\]"):
-        get_quantization_config("twx").from_config(quant_config(format_version=2))
+                       match=r"format_version 3: this plugin reads TWX format versions \[1, 2\]"):
+        get_quantization_config("twx").from_config(quant_config(format_version=3))
 
 
-def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin):
+def test_v2_with_other_codebooks_fails_at_load(plugin):
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    with pytest.raises(plugin.packed.PackedExpertsError, match=r"codebook\.sha256 is '0+'; this plugin decodes TWX v2"):
+        get_quantization_config("twx").from_config(quant_config(format_version=2, codebook={"sha256": "0" * 64}))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin, version):
     twx_method = plugin.twx.TWXExpertsMethod
     bits = [3, 2, 3, 3, 2, 2]
-    method = twx_method(moe_config(), bits, "model.layers.1.mlp.experts")
+    fmt = expert_formats.get("twx2.5" if version == 1 else "twx2.5-v2", "test")
+    codec, codes_name, scales_name = fmt.codec_module(), fmt.codes_suffix, fmt.scales_suffix
+    method = twx_method(moe_config(), bits, "model.layers.1.mlp.experts", version,
+                        {"codes": codes_name, "scales": scales_name})
     layer = torch.nn.Module()
     method.create_weights(layer, EXPERTS, HIDDEN, INTER, torch.bfloat16, weight_loader=None,
                           unpadded_hidden_size=HIDDEN, global_num_experts=EXPERTS)
@@ -196,24 +211,26 @@ def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin):
     for e, b in enumerate(bits):  # as the checkpoint stores them: gate, up and down separately
         for projection, shard, weight in (("gate_proj", "w1", weights13[e][:INTER]), ("up_proj", "w3", weights13[e][INTER:]),
                                           ("down_proj", "w2", weights2[e])):
-            codes, scales = twx.encode(weight, b)
+            codes, scales = codec.encode(weight, b)
             prefix = "w13" if shard != "w2" else "w2"
-            for kind, tensor in (("codes", codes), ("scales", scales)):
-                param = getattr(layer, f"{prefix}_twx_{kind}")
-                param.weight_loader(param, tensor, f"model.layers.1.mlp.experts.{e}.{projection}.twx_{kind}", shard, e)
-    assert torch.equal(layer.w2_twx_codes, packed_twx_layer(weights13, weights2, bits)[2])
-    decoded13 = [torch.cat([twx.decode(*twx.encode(w[:INTER], b), torch.bfloat16),
-                            twx.decode(*twx.encode(w[INTER:], b), torch.bfloat16)]) for w, b in zip(weights13, bits)]
-    decoded2 = [twx.decode(*twx.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
+            for suffix, tensor in ((codes_name, codes), (scales_name, scales)):
+                param = getattr(layer, f"{prefix}_{suffix}")
+                param.weight_loader(param, tensor, f"model.layers.1.mlp.experts.{e}.{projection}.{suffix}", shard, e)
+    w13_codes, w13_scales = getattr(layer, f"w13_{codes_name}"), getattr(layer, f"w13_{scales_name}")
+    w2_codes, w2_scales = getattr(layer, f"w2_{codes_name}"), getattr(layer, f"w2_{scales_name}")
+    assert torch.equal(w2_codes, packed_twx_layer(weights13, weights2, bits, codec)[2])
+    decoded13 = [torch.cat([codec.decode(*codec.encode(w[:INTER], b), torch.bfloat16),
+                            codec.decode(*codec.encode(w[INTER:], b), torch.bfloat16)]) for w, b in zip(weights13, bits)]
+    decoded2 = [codec.decode(*codec.encode(w, b), torch.bfloat16) for w, b in zip(weights2, bits)]
     x = torch.randn(5, HIDDEN, generator=generator).to(torch.bfloat16)
     topk_weights, topk_ids = routing(5, generator)
-    got = twx_routed_experts(x, topk_weights, topk_ids, layer.w13_twx_codes, layer.w13_twx_scales, layer.w2_twx_codes,
-                             layer.w2_twx_scales, layer.twx_layout)
+    got = twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layer.twx_layout,
+                             version=version)
     assert relative_error(got, reference_moe(x, topk_weights, topk_ids, decoded13, decoded2)) <= 1e-2
     wrong = torch.zeros(INTER, HIDDEN * 3 // 8 + 1, dtype=torch.uint8)
-    with pytest.raises(plugin.packed.PackedExpertsError, match=r"experts\.0\.gate_proj\.twx_codes: expected torch.uint8"):
-        layer.w13_twx_codes.weight_loader(layer.w13_twx_codes, wrong, "model.layers.1.mlp.experts.0.gate_proj.twx_codes",
-                                          "w1", 0)
+    with pytest.raises(plugin.packed.PackedExpertsError,
+                       match=rf"experts\.0\.gate_proj\.{codes_name}: expected torch.uint8"):
+        w13_codes.weight_loader(w13_codes, wrong, f"model.layers.1.mlp.experts.0.gate_proj.{codes_name}", "w1", 0)
 
 
 def test_mxfp4_loader_places_gate_up_and_down(plugin):

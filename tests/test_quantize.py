@@ -31,29 +31,33 @@ def make_build(published, build_cfg, out):
     return plan, gather(out, folder, manifest, plan, shards)
 
 
-@pytest.mark.parametrize("fmt,budget", [("twx3", 3.25), ("twx2.5", 2.75)])
-def test_twx_build(published, tmp_path, fmt, budget):
+@pytest.mark.parametrize("fmt,budget,version", [("twx3", 3.25, 1), ("twx2.5", 2.75, 1), ("twx3-v2", 3.25, 2),
+                                                ("twx2.5-v2", 2.75, 2)])
+def test_twx_build(published, tmp_path, fmt, budget, version):
     plan, manifest = make_build(published, {"label": "x", "quantize": {"format": fmt}}, tmp_path / "b")
     assert manifest["routed_expert_bits_per_weight"] <= budget
     assert manifest["routed_expert_bits_per_weight"] > budget - 0.5
     source, built = all_tensors(published[0]), all_tensors(tmp_path / "b")
+    entry = expert_formats.get(fmt, "test")
+    codec, codes_suffix, scales_suffix = entry.codec_module(), "." + entry.codes_suffix, "." + entry.scales_suffix
     widths = set()
     for name, tensor in built.items():
-        if name.endswith(".twx_codes"):
-            base = name[: -len(".twx_codes")]
+        if name.endswith(codes_suffix):
+            base = name[: -len(codes_suffix)]
             exact = mxfp4.decode(source[base + ".weight"], source[base + ".weight_scale"], torch.float32)
-            bits = twx.code_bits(tensor, built[base + ".twx_scales"])
+            bits = twx.code_bits(tensor, built[base + scales_suffix])
             widths.add(bits)
-            codes, scales = twx.encode(exact, bits)
-            assert torch.equal(tensor, codes) and torch.equal(built[base + ".twx_scales"], scales)
+            codes, scales = codec.encode(exact, bits)
+            assert torch.equal(tensor, codes) and torch.equal(built[base + scales_suffix], scales)
             layer, expert = int(base.split(".")[2]), base.split(".")[5]
             assert plan["quantize"]["expert_bits"][str(layer)][expert] == bits
-        elif not name.endswith(".twx_scales"):
+        elif not name.endswith(scales_suffix):
             assert torch.equal(tensor, source[name]), name  # not a routed expert: untouched
-    assert widths == ({3} if fmt == "twx3" else {2, 3})
+    assert widths == ({3} if fmt.startswith("twx3") else {2, 3})
     config = json.loads((tmp_path / "b/config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "twx"
     assert config["quantization_config"]["format"] == fmt
+    assert config["quantization_config"]["format_version"] == version
     assert manifest["bytes_by_class"]["routed_experts"] < manifest["total_bytes"]
 
 
@@ -75,5 +79,6 @@ def test_allocation_keeps_the_budget_and_prefers_large_experts():
 
 def test_unknown_format_fails_before_any_work(published):
     folder, manifest = published
-    with pytest.raises(BuildError, match=r"builds.b.quantize.format: 'twx4' is unknown; known: twx3, twx2.5"):
+    with pytest.raises(BuildError,
+                       match=r"builds.b.quantize.format: 'twx4' is unknown; known: twx3, twx2.5, twx3-v2, twx2.5-v2"):
         make_plan("b", {"label": "x", "quantize": {"format": "twx4"}}, folder, manifest)

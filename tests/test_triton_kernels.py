@@ -15,14 +15,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeshrink.formats import mxfp4, twx
-from moeshrink_kernels.experts import TWXLayout, mxfp4_routed_experts, twx_routed_experts  # noqa: E402
+from moeshrink.formats import mxfp4
+from moeshrink_kernels.experts import TWX_CODECS, TWXLayout, mxfp4_routed_experts, twx_routed_experts  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 CHILD = "MOESHRINK_TRITON_TEST_CHILD"
 ON_GPU = torch.cuda.is_available() and not INTERPRETING
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-FORMATS = ["twx3", "twx2", "mxfp4"]
+FORMATS = ["twx3", "twx2", "twx3v2", "twx2v2", "mxfp4"]  # TWX code widths, format versions 1 and 2
 # (N, K): the organism's w13 and w2 (hidden 128, moe intermediate 64), and a small DeepSeek-V3-like one
 SHAPES = [(128, 128), (128, 64), (192, 256)]
 
@@ -52,20 +52,27 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float().cpu() - expected).norm() / expected.norm())
 
 
+def twx_bits_version(fmt: str) -> tuple[int, int]:
+    """"twx3" -> (3, 1), "twx2v2" -> (2, 2)."""
+    return int(fmt[3]), 2 if fmt.endswith("v2") else 1
+
+
 def packed(fmt: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, scales, reference float32 decode)."""
     if fmt == "mxfp4":
         codes, scales = mxfp4.encode(weight)
         return codes, scales, mxfp4.decode(codes, scales, torch.float32)
-    codes, scales = twx.encode(weight, int(fmt[-1]))
-    return codes, scales, twx.decode(codes, scales, torch.float32)
+    bits, version = twx_bits_version(fmt)
+    codes, scales = TWX_CODECS[version].encode(weight, bits)
+    return codes, scales, TWX_CODECS[version].decode(codes, scales, torch.float32)
 
 
 def linear(te, fmt: str, x, codes, scales, **options):
     x, codes, scales = x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE)
     if fmt == "mxfp4":
         return te.mxfp4_linear(x, codes, scales, **options)
-    return te.twx_linear(x, codes, scales, int(fmt[-1]), **options)
+    bits, version = twx_bits_version(fmt)
+    return te.twx_linear(x, codes, scales, bits, version=version, **options)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -104,12 +111,12 @@ def test_decode_is_exact_for_every_code_and_scale(te, fmt, lut):
     UE5M3 scale byte and E8M0 bytes 0-200 (larger ones overflow float32 in the reference too)."""
     generator = torch.Generator().manual_seed(11)
     n, k = 40, 64  # blocks overhang N (and K for TWX3's 128-wide K blocks)
-    width = k // 2 if fmt == "mxfp4" else k * int(fmt[-1]) // 8
-    codes = torch.randint(0, 256, (n, width), generator=generator, dtype=torch.uint8)
+    bits, version = (4, 0) if fmt == "mxfp4" else twx_bits_version(fmt)
+    codes = torch.randint(0, 256, (n, k * bits // 8), generator=generator, dtype=torch.uint8)
     scales = torch.randint(0, 201 if fmt == "mxfp4" else 256, (n, k // 32), generator=generator, dtype=torch.uint8)
-    decode = mxfp4.decode if fmt == "mxfp4" else twx.decode
+    decode = mxfp4.decode if fmt == "mxfp4" else TWX_CODECS[version].decode
     weight = decode(codes, scales, torch.float32)
-    config = te.KernelConfig(block_m=16, block_n=16, block_k=128 if fmt == "twx3" else 64, lut=lut)
+    config = te.KernelConfig(block_m=16, block_n=16, block_k=128 if bits == 3 else 64, lut=lut)
     got = linear(te, fmt, torch.eye(k), codes, scales, config=config).cpu()
     if ON_GPU:  # tf32 dot
         assert relative_error(got, weight.T) <= 1e-2
@@ -147,23 +154,30 @@ def routing(tokens: int, experts: int, top_k: int, generator: torch.Generator):
     return weights, ids
 
 
-def test_twx25_routed_experts_match_cpu_path(te):
+@pytest.mark.parametrize("version", [1, 2])
+def test_twx25_routed_experts_match_cpu_path(te, version):
     hidden, inter, bits = 128, 64, [3, 2, 3, 3, 2, 2, 3, 2]
     generator = torch.Generator().manual_seed(5)
     layout = TWXLayout.of(bits, hidden, inter)
+    codec = TWX_CODECS[version]
     codes13, scales13, codes2, scales2 = [], [], [], []
     for b in bits:
-        c, s = twx.encode(torch.randn(2 * inter, hidden, generator=generator) * 0.05, b)
+        c, s = codec.encode(torch.randn(2 * inter, hidden, generator=generator) * 0.05, b)
         codes13.append(c.reshape(-1)), scales13.append(s)
-        c, s = twx.encode(torch.randn(hidden, inter, generator=generator) * 0.05, b)
+        c, s = codec.encode(torch.randn(hidden, inter, generator=generator) * 0.05, b)
         codes2.append(c.reshape(-1)), scales2.append(s)
     tensors = (torch.cat(codes13), torch.stack(scales13), torch.cat(codes2), torch.stack(scales2), layout.as_tensor())
     x = torch.randn(9, hidden, generator=generator).to(torch.bfloat16)
     topk_weights, topk_ids = routing(9, len(bits), 3, generator)
-    expected = twx_routed_experts(x, topk_weights, topk_ids, *tensors)
-    got = te.triton_twx_routed_experts(*(t.to(DEVICE) for t in (x, topk_weights, topk_ids, *tensors[:4])), tensors[4])
+    expected = twx_routed_experts(x, topk_weights, topk_ids, *tensors, version=version)
+    got = te.triton_twx_routed_experts(*(t.to(DEVICE) for t in (x, topk_weights, topk_ids, *tensors[:4])), tensors[4],
+                                       version)
     assert got.dtype == x.dtype and got.shape == x.shape
-    assert relative_error(got, expected.float()) <= 1e-2
+    # Triton 3.9's interpreter truncates float32 -> bf16 casts (runtime/interpreter.py cast_impl: no
+    # rounding mode) where a GPU rounds to nearest; v2's codewords are rarely bf16-exact, which doubles
+    # the gap there (measured: v1 0.0057, v2 0.0109; against a float64 reference the CPU path is 0.0017
+    # for both, so the decode itself is exact: test_decode_is_exact_for_every_code_and_scale)
+    assert relative_error(got, expected.float()) <= (2e-2 if INTERPRETING else 1e-2)
 
 
 def test_mxfp4_routed_experts_match_cpu_path(te):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeshrink.formats import mxfp4, twx
+from moeshrink.formats import mxfp4, twx, twx_vq
 
 FORMAT_PAGE = Path(__file__).resolve().parent.parent / "kernels" / "FORMAT.md"
 
@@ -20,9 +20,14 @@ def levels_from_page() -> dict[int, list[float]]:
     return table
 
 
-def page_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Straight from FORMAT.md: bit string per row, levels table, UE5M3 scales, float32 arithmetic."""
+def page_decode(codes: torch.Tensor, scales: torch.Tensor, value=None) -> torch.Tensor:
+    """Straight from FORMAT.md: a bit string per row, UE5M3 scales, float32 arithmetic; `value(row_bits,
+    j, bits)` is weight j's unscaled value (by default version 1's: the levels table)."""
     levels = {bits: torch.tensor(values, dtype=torch.float32) for bits, values in levels_from_page().items()}
+
+    def level(row_bits: int, j: int, bits: int) -> float:
+        return float(levels[bits][(row_bits >> (j * bits)) & ((1 << bits) - 1)])
+
     rows, nbytes = codes.shape
     k = 32 * scales.shape[1]
     bits = 8 * nbytes // k
@@ -30,10 +35,10 @@ def page_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     for r in range(rows):
         row_bits = int.from_bytes(bytes(codes[r].tolist()), "little")
         for j in range(k):
-            code = (row_bits >> (j * bits)) & ((1 << bits) - 1)
             s = int(scales[r, j // 32])
             scale = 2.0 ** ((s >> 3) - 20) * (1 + (s & 7) / 8)
-            out[r, j] = levels[bits][code] * torch.tensor(scale, dtype=torch.float32)
+            out[r, j] = torch.tensor((value or level)(row_bits, j, bits), dtype=torch.float32) * torch.tensor(
+                scale, dtype=torch.float32)
     return out
 
 
@@ -92,13 +97,14 @@ def test_relative_error_on_mxfp4_published_gaussians(bits, limit):
     assert 8 * (codes.numel() + scales.numel()) / weight.numel() == twx.bits_per_weight(bits)
 
 
-def test_bad_shapes_and_widths_are_named():
+@pytest.mark.parametrize("codec", [twx, twx_vq], ids=["v1", "v2"])
+def test_bad_shapes_and_widths_are_named(codec):
     with pytest.raises(twx.TWXFormatError, match=r"w: .*multiple of 32"):
-        twx.encode(torch.zeros(4, 30), 3, name="w")
-    with pytest.raises(twx.TWXFormatError, match="not 4"):
-        twx.encode(torch.zeros(4, 32), 4, name="w")
+        codec.encode(torch.zeros(4, 30), 3, name="w")
+    with pytest.raises(twx.TWXFormatError, match="-bit codes, not 4"):
+        codec.encode(torch.zeros(4, 32), 4, name="w")
     with pytest.raises(twx.TWXFormatError, match=r"w: codes \(4, 10\) hold 2.5 bits"):
-        twx.decode(torch.zeros(4, 10, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), name="w")
+        codec.decode(torch.zeros(4, 10, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), name="w")
 
 
 def test_decoding_ignores_the_default_dtype_it_is_imported_under(tmp_path):
@@ -123,13 +129,14 @@ def test_decoding_ignores_the_default_dtype_it_is_imported_under(tmp_path):
     assert torch.equal(out["mxfp4"], mxfp4.decode(packed, mx_scales, torch.float32))
 
 
-def test_a_non_finite_weight_is_named_not_encoded():
-    weight = torch.randn(4, 64)
-    weight[2, 37] = float("nan")
-    weight[3, 0] = float("inf")
+@pytest.mark.parametrize("codec", [twx, twx_vq], ids=["v1", "v2"])
+def test_a_non_finite_weight_is_named_not_encoded(codec):
+    weight = torch.randn(300, 64)  # past the first chunk of rows
+    weight[290, 37] = float("nan")
+    weight[299, 0] = float("inf")
     with pytest.raises(twx.TWXFormatError,
-                       match=r"layers.1.mlp.experts.5.down_proj: non-finite weights, the first at row 2, column 37"):
-        twx.encode(weight, 3, name="layers.1.mlp.experts.5.down_proj")
+                       match=r"layers.1.mlp.experts.5.down_proj: non-finite weights, the first at row 290, column 37"):
+        codec.encode(weight, 3, name="layers.1.mlp.experts.5.down_proj")
 
 
 @pytest.mark.parametrize("bits", [2, 3])

@@ -2,7 +2,10 @@
 decoded inside the K loop. Imports triton at module level: import it only through `triton_experts`.
 
 A "unit" is the smallest run of codes that starts on a byte: 4 codes in 1 byte (TWX2), 8 codes in
-3 bytes (TWX3, a 24-bit little-endian word), 2 codes in 1 byte (MXFP4, low nibble first). A K step
+3 bytes (TWX3, a 24-bit little-endian word), 2 codes in 1 byte (MXFP4, low nibble first). TWX v2 has
+the same units, read as indices of 4 codes' bits into its codebook (1 per unit at 2 bits, 2 at 3):
+position j of a unit is entry j % 4 of codeword (word >> (4 * BITS * (j // 4))), gathered from the
+flat codebook. A K step
 of BLOCK_K inputs holds UNITS = BLOCK_K / PER units; the kernel loads each unit once, and for each
 position j in the unit multiplies the decoded [UNITS, BLOCK_N] slice with the matching strided
 columns x[:, k0 + PER * u + j]. Codes are never re-interleaved, so no reshapes and each code byte is
@@ -78,9 +81,10 @@ def packed_matmul_kernel(
         FMT: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, UNIT_BYTES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, LUT: tl.constexpr, EVEN_K: tl.constexpr,
-        EVEN_N: tl.constexpr, UPCAST_DOT: tl.constexpr):
+        EVEN_N: tl.constexpr, UPCAST_DOT: tl.constexpr, VQ: tl.constexpr):
     UNITS: tl.constexpr = BLOCK_K // PER
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    INDEX_MASK: tl.constexpr = (1 << (4 * BITS)) - 1
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -131,8 +135,12 @@ def packed_matmul_kernel(
         scale_byte = tl.load(scale_cols + (unit_k // 32)[:, None], mask=w_mask, other=w_other).to(tl.int32)
         scale = _decode_scale(scale_byte, FMT)
         for j in tl.static_range(PER):
-            code = (word >> (j * BITS)) & CODE_MASK
-            w = (_level(code, levels_ptr, FMT, LUT) * scale).to(x_ptr.dtype.element_ty)  # [UNITS, BN]
+            if VQ:
+                index = (word >> ((j // 4) * 4 * BITS)) & INDEX_MASK
+                value = tl.load(levels_ptr + index * 4 + (j % 4))
+            else:
+                value = _level((word >> (j * BITS)) & CODE_MASK, levels_ptr, FMT, LUT)
+            w = (value * scale).to(x_ptr.dtype.element_ty)  # [UNITS, BN]
             xj = tl.load(x_rows + (unit_k + j)[None, :], mask=x_mask, other=0.0)  # [BM, UNITS]
             if UPCAST_DOT:  # weights still rounded to x's dtype, products in fp32
                 w = w.to(tl.float32)
@@ -158,14 +166,14 @@ def packed_matmul_kernel(
 # there, bf16 dots run in fp32 on bf16-rounded operands.
 INTERPRETED = type(packed_matmul_kernel).__name__ == "InterpretedFunction"
 
-# per format id (TWX bits, or 4 for MXFP4): bits per code, codes per unit, bytes per unit
-FORMATS = {2: (2, 4, 1), 3: (3, 8, 3), 4: (4, 2, 1)}
+# per format id (TWX v1 bits, 4 for MXFP4, 10 + bits for TWX v2): bits per code, codes per unit, bytes per unit
+FORMATS = {2: (2, 4, 1), 3: (3, 8, 3), 4: (4, 2, 1), 12: (2, 4, 1), 13: (3, 8, 3)}
 
 
 def constexprs(fmt: int, config, n: int, k: int, x_dtype: torch.dtype) -> dict:
     """The kernel's compile-time arguments for one launch."""
     bits, per, unit_bytes = FORMATS[fmt]
-    return dict(FMT=fmt, BITS=bits, PER=per, UNIT_BYTES=unit_bytes,
+    return dict(FMT=fmt, BITS=bits, VQ=fmt > 10, PER=per, UNIT_BYTES=unit_bytes,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
                 USE_DOT=config.use_dot, SWAP_AB=config.swap_ab and config.use_dot, LUT=config.lut,
                 EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,

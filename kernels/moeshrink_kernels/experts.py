@@ -16,7 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeshrink.formats import mxfp4, twx
+from moeshrink.formats import mxfp4, twx, twx_vq
+
+# TWX's reference codec by format_version
+TWX_CODECS = {1: twx, 2: twx_vq}
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,13 @@ class TWXLayout:
         return torch.tensor(list(zip(self.bits, self.w13_offsets, self.w2_offsets)), dtype=torch.int64)
 
 
-def twx_expert(codes_flat: torch.Tensor, offset: int, bits: int, scales: torch.Tensor, dtype: torch.dtype
-               ) -> torch.Tensor:
+def twx_expert(codes_flat: torch.Tensor, offset: int, bits: int, scales: torch.Tensor, dtype: torch.dtype,
+               version: int = 1) -> torch.Tensor:
     """Decode one expert's projection: scales [rows, K/32] tell rows and K."""
     rows, k = scales.shape[0], scales.shape[1] * twx.GROUP
     width = k * bits // 8
     codes = codes_flat[offset:offset + rows * width].view(rows, width)
-    return twx.decode(codes, scales, dtype)
+    return TWX_CODECS[version].decode(codes, scales, dtype)
 
 
 Decoder = Callable[[int], torch.Tensor]
@@ -153,16 +156,16 @@ def _compute(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 
 def twx_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        w13_codes: torch.Tensor, w13_scales: torch.Tensor, w2_codes: torch.Tensor,
-                       w2_scales: torch.Tensor, layout: torch.Tensor, kernel: CPUKernel = CPUKernel()
-                       ) -> torch.Tensor:
+                       w2_scales: torch.Tensor, layout: torch.Tensor, kernel: CPUKernel = CPUKernel(),
+                       version: int = 1) -> torch.Tensor:
     table = layout.tolist()
 
     # decoded to bf16, as a bf16 model holds its weights (TWX values times UE5M3 scales need rounding)
     def w13(e: int) -> torch.Tensor:
-        return twx_expert(w13_codes, table[e][1], table[e][0], w13_scales[e], torch.bfloat16)
+        return twx_expert(w13_codes, table[e][1], table[e][0], w13_scales[e], torch.bfloat16, version)
 
     def w2(e: int) -> torch.Tensor:
-        return twx_expert(w2_codes, table[e][2], table[e][0], w2_scales[e], torch.bfloat16)
+        return twx_expert(w2_codes, table[e][2], table[e][0], w2_scales[e], torch.bfloat16, version)
 
     return _compute(x, topk_weights, topk_ids, w13, w2, kernel)
 

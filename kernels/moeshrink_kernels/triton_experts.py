@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from moeshrink.core.errors import MoeshrinkError
-from moeshrink.formats import mxfp4, twx
+from moeshrink.formats import mxfp4, twx, twx_vq
 
-MXFP4 = 4  # format id of MXFP4; TWX formats are identified by their bits (2, 3)
-CODE_BITS = {2: 2, 3: 3, MXFP4: 4}
-CODES_PER_UNIT = {2: 4, 3: 8, MXFP4: 2}
+MXFP4 = 4  # format id of MXFP4; TWX v1 formats are identified by their bits (2, 3), TWX v2 by 10 + bits
+TWX_V2 = 10
+CODE_BITS = {2: 2, 3: 3, MXFP4: 4, TWX_V2 + 2: 2, TWX_V2 + 3: 3}
+CODES_PER_UNIT = {2: 4, 3: 8, MXFP4: 2, TWX_V2 + 2: 4, TWX_V2 + 3: 8}
 
 
 class TritonUnavailable(MoeshrinkError, RuntimeError):
@@ -108,9 +109,13 @@ _LEVELS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _levels(fmt: int, device: torch.device) -> torch.Tensor:
-    """The level table the kernel gathers from: TWX levels, or E2M1 values by code (sign bit 3)."""
+    """The table the kernel gathers from: TWX levels, E2M1 values by code (sign bit 3), or TWX v2's
+    codebook (flat, 4 values per entry)."""
     if (fmt, device) not in _LEVELS:
-        table = torch.cat([mxfp4.E2M1_VALUES, -mxfp4.E2M1_VALUES]) if fmt == MXFP4 else twx.LEVELS[fmt]
+        if fmt > TWX_V2:
+            table = twx_vq.codebooks()[fmt - TWX_V2].reshape(-1)
+        else:
+            table = torch.cat([mxfp4.E2M1_VALUES, -mxfp4.E2M1_VALUES]) if fmt == MXFP4 else twx.LEVELS[fmt]
         _LEVELS[fmt, device] = table.to(device)
     return _LEVELS[fmt, device]
 
@@ -146,7 +151,7 @@ def grouped_packed_matmul(x: torch.Tensor, counts: list[int], codes: torch.Tenso
         raise ValueError(f"{len(counts)} experts' rows, {len(fmts)} formats, {code_offsets.shape[0]} offsets "
                          f"and {scales.shape[0]} experts' scales do not match")
     if any(f not in CODE_BITS for f in fmts):
-        raise ValueError(f"formats must be TWX bits 2, 3 or {MXFP4} (MXFP4), got {sorted(set(fmts))}")
+        raise ValueError(f"formats must be TWX bits 2, 3, {MXFP4} (MXFP4) or TWX v2's 12, 13, got {sorted(set(fmts))}")
     for e, offset in enumerate(code_offsets.tolist()):  # the kernel does not bound-check its reads
         if counts[e] and not 0 <= offset <= codes.numel() - n * k * CODE_BITS[fmts[e]] // 8:
             raise ValueError(f"expert {e}: codes at byte {offset} run past the {codes.numel()}-byte buffer")
@@ -176,13 +181,18 @@ def _check_x(x: torch.Tensor) -> None:
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
 
 
+def twx_format_id(bits: int, version: int) -> int:
+    return bits + (TWX_V2 if version == 2 else 0)
+
+
 def twx_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
-               out_dtype: torch.dtype | None = None, config: KernelConfig | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T for W [N, K] in TWX (codes [N, K*bits/8], scales [N, K/32])."""
+               out_dtype: torch.dtype | None = None, config: KernelConfig | None = None, version: int = 1
+               ) -> torch.Tensor:
+    """x [..., K] @ W^T for W [N, K] in TWX (codes [N, K*bits/8], scales [N, K/32]), format version 1 or 2."""
     _check_x(x)
     if bits not in (2, 3) or twx.code_bits(codes, scales) != bits:
         raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} are not {bits}-bit TWX")
-    return _linear(x, codes, scales, bits, out_dtype, config)
+    return _linear(x, codes, scales, twx_format_id(bits, version), out_dtype, config)
 
 
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -226,11 +236,12 @@ def _routed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 
 def triton_twx_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                               w13_codes: torch.Tensor, w13_scales: torch.Tensor, w2_codes: torch.Tensor,
-                              w2_scales: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+                              w2_scales: torch.Tensor, layout: torch.Tensor, version: int = 1) -> torch.Tensor:
     """`experts.twx_routed_experts` on the GPU: one launch per code width and projection."""
     _check_x(x)
     table = layout.cpu()  # offsets are bound-checked on the host, then copied to x's device
-    bits, offsets13, offsets2 = table[:, 0].tolist(), table[:, 1], table[:, 2]
+    bits = [twx_format_id(b, version) for b in table[:, 0].tolist()]
+    offsets13, offsets2 = table[:, 1], table[:, 2]
 
     def w13(xs, counts):
         return grouped_packed_matmul(xs, counts, w13_codes, w13_scales, offsets13, bits)

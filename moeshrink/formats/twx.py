@@ -95,6 +95,18 @@ def check_shape(shape: tuple, name: str) -> None:
                              f"got shape {tuple(shape)}")
 
 
+def check_encodable(shape: tuple, bits: int, widths, name: str, what: str = "TWX") -> None:
+    if bits not in widths:
+        raise TWXFormatError(f"{name}: {what} has {sorted(widths)}-bit codes, not {bits}")
+    check_shape(shape, name)
+
+
+def non_finite(name: str, flat_index: int, k: int) -> TWXFormatError:
+    """The error for a weight matrix [rows, k] whose first non-finite value is at `flat_index`."""
+    return TWXFormatError(f"{name}: non-finite weights, the first at row {flat_index // k}, column {flat_index % k}: "
+                          f"the source checkpoint is damaged")
+
+
 def _best_scale_bytes(blocks: torch.Tensor, levels: torch.Tensor, chunk_blocks: int = 2048) -> torch.Tensor:
     """Per block of 32 (rows of `blocks`, float32), the UE5M3 byte among SEARCH_STEPS around the block's
     absolute maximum with the least squared error; the first such step on ties. The elementwise work runs
@@ -208,9 +220,7 @@ def _table_search(blocks: torch.Tensor, bits: int) -> tuple[np.ndarray, np.ndarr
 def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: int = 256
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """float [rows, K] -> (codes uint8 [rows, K*bits/8], scales uint8 [rows, K/32])."""
-    if bits not in LEVELS:
-        raise TWXFormatError(f"{name}: TWX has {sorted(LEVELS)}-bit codes, not {bits}")
-    check_shape(tuple(weight.shape), name)
+    check_encodable(tuple(weight.shape), bits, LEVELS, name)
     levels = LEVELS[bits]
     midpoints = (levels[1:] + levels[:-1]) / 2
     rows, k = weight.shape
@@ -222,9 +232,7 @@ def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: in
     for first_block in range(0, all_blocks.shape[0], per_chunk):  # a few MB at a time: memory stays flat
         blocks = all_blocks[first_block:first_block + per_chunk].to(torch.float32).contiguous()
         if not np.isfinite(blocks.numpy()).all():
-            first = first_block * GROUP + int((~torch.isfinite(blocks)).reshape(-1).nonzero()[0])
-            raise TWXFormatError(f"{name}: non-finite weights, the first at row {first // k}, column {first % k}: "
-                                 f"the source checkpoint is damaged")
+            raise non_finite(name, first_block * GROUP + int((~torch.isfinite(blocks)).reshape(-1).nonzero()[0]), k)
         chunk = slice(first_block, first_block + blocks.shape[0])
         scale_bytes[chunk], codes[chunk], decided = _table_search(blocks, bits)
         undecided_chunks.append(first_block + np.flatnonzero(~decided))
@@ -258,18 +266,24 @@ def encode_plain(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     return pack_codes(codes.reshape(rows, k), bits), best.to(torch.uint8).reshape(rows, k // GROUP)
 
 
-def decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-           name: str = "tensor") -> torch.Tensor:
-    """The reference decoder: (codes, scales) -> [rows, K]; bits follow from the two shapes."""
+def checked_pair(codes: torch.Tensor, scales: torch.Tensor, widths, name: str, what: str = "TWX") -> tuple[int, int]:
+    """(K, bits) of a codes/scales pair whose code width is one of `widths` (either format version)."""
     if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise TWXFormatError(f"{name}: codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")
     if codes.dim() != 2 or scales.dim() != 2 or codes.shape[0] != scales.shape[0]:
         raise TWXFormatError(f"{name}: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not pair up")
     k = scales.shape[1] * GROUP
     bits, remainder = divmod(codes.shape[1] * 8, k)
-    if remainder or bits not in LEVELS:
+    if remainder or bits not in widths:
         raise TWXFormatError(f"{name}: codes {tuple(codes.shape)} hold {codes.shape[1] * 8 / k:g} bits per weight "
-                             f"for K = {k}; TWX codes are {sorted(LEVELS)} bits")
+                             f"for K = {k}; {what} codes are {sorted(widths)} bits")
+    return k, bits
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+           name: str = "tensor") -> torch.Tensor:
+    """The reference decoder: (codes, scales) -> [rows, K]; bits follow from the two shapes."""
+    k, bits = checked_pair(codes, scales, LEVELS, name)
     values = LEVELS[bits][unpack_codes(codes, bits, k).long()]
     scale = decode_scales(scales).repeat_interleave(GROUP, dim=1)
     return (values * scale).to(dtype)

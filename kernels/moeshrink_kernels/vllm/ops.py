@@ -19,13 +19,14 @@ _ops_library = None
 
 def _twx_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
             w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
-            layout: torch.Tensor, isa: str, padded_intermediate: int) -> torch.Tensor:
+            layout: torch.Tensor, isa: str, padded_intermediate: int, version: int) -> torch.Tensor:
     if x.is_cuda:
         from moeshrink_kernels.triton_experts import triton_twx_routed_experts
 
-        return triton_twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layout)
+        return triton_twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layout,
+                                         version)
     out = twx_routed_experts(x, topk_weights, topk_ids, w13_codes, w13_scales, w2_codes, w2_scales, layout,
-                             CPUKernel(isa, padded_intermediate))
+                             CPUKernel(isa, padded_intermediate), version)
     _check_finite("twx", x, topk_weights, out)
     return out
 
@@ -62,7 +63,7 @@ def _check_finite(method: str, x: torch.Tensor, topk_weights: torch.Tensor, out:
 
 def _twx_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_codes: torch.Tensor,
               w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
-              layout: torch.Tensor, isa: str, padded_intermediate: int) -> torch.Tensor:
+              layout: torch.Tensor, isa: str, padded_intermediate: int, version: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 

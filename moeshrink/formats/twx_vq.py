@@ -1,0 +1,301 @@
+"""TWX format version 2: 4 weights share one index into a fixed codebook of 4-vectors, one UE5M3
+scale per 32 weights (as in version 1).
+
+This module is the reference encoder and decoder; `kernels/FORMAT.md` describes the same layout for
+other engines. For a weight matrix [rows, K] (K a multiple of 32) with `bits` 2 or 3:
+
+- codes: uint8 [rows, K * bits / 8]; a row holds K / 4 indices of 4 * bits bits each (8 or 12),
+  index g at bit offset 4 * bits * g of the row's bytes read as one little-endian bit string
+  (the same bytes as version 1's packing of 4 consecutive `bits`-bit fields, low field first);
+- scales: uint8 [rows, K / 32], UE5M3 as in version 1;
+- weight[row, 4 g + d] = CODEBOOKS[bits][index(row, g), d] * scale(row, (4 g) // 32).
+
+The codebooks (256 entries for 2 bits per weight, 4,096 for 3) are format constants, stored in
+`twx_vq_codebooks.safetensors` beside this module: k-means on block-normalised MXFP4-published
+Gaussian weights, refined through this encoder (`train_codebook`, run as `python -m
+moeshrink.formats.twx_vq --out FILE`; its float sums may differ in the last bits on another CPU, so
+the committed file, not a rerun, is the constant). The encoder tries 9 scales per block, 1/8 octave
+apart around the block's absolute maximum over the codebook's, each with every 4-vector's nearest
+codeword, and keeps the scale with the least squared error. MXFP4 blocks make few distinct 4-vectors
+once divided by their power of two, so each distinct one is searched once per process (`_table_search`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from moeshrink.core.ioutil import atomic_path, sha256_file
+from moeshrink.formats import mxfp4
+from moeshrink.formats.twx import (
+    _KEY_SHIFT,
+    _KEY_VALID,
+    GROUP,
+    SCALE_EXP_BIAS,
+    TWXFormatError,
+    check_encodable,
+    checked_pair,
+    decode_scales,
+    nearest_scale_bytes,
+    non_finite,
+    pack_codes,
+    unpack_codes,
+)
+
+FORMAT_VERSION = 2
+DIM = 4  # weights per index
+ENTRIES = {2: 256, 3: 4096}
+CODEBOOK_FILE = Path(__file__).with_name("twx_vq_codebooks.safetensors")
+RECIPE = "k-means on 4-vectors of MXFP4-published Gaussian weights, each block divided by the UE5M3 scale"
+SEARCH_STEPS = range(-4, 5)  # UE5M3 steps (1/8 octave) around the block's maximum over the codebook's
+_CHUNK_VECTORS = 2048
+
+
+@cache
+def codebooks() -> dict[int, torch.Tensor]:
+    """The format's codebooks: {bits: float32 [entries, 4]}."""
+    tensors = load_file(str(CODEBOOK_FILE))
+    books = {bits: tensors[f"codebook.{bits}"].to(torch.float32).contiguous() for bits in ENTRIES}
+    for bits, book in books.items():
+        if tuple(book.shape) != (ENTRIES[bits], DIM) or not torch.isfinite(book).all():
+            raise TWXFormatError(f"{CODEBOOK_FILE}: codebook.{bits} must be {ENTRIES[bits]} finite 4-vectors, "
+                                 f"got {tuple(book.shape)}")
+    return books
+
+
+@cache
+def codebook_sha256() -> str:
+    return sha256_file(CODEBOOK_FILE)
+
+
+def _nearest(vectors: torch.Tensor, book: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per vector: the nearest codeword's index (the first on ties) and its squared distance."""
+    index = torch.empty(vectors.shape[0], dtype=torch.int64)
+    distance = torch.empty(vectors.shape[0], dtype=torch.float32)
+    for start in range(0, vectors.shape[0], _CHUNK_VECTORS):
+        part = vectors[start:start + _CHUNK_VECTORS]
+        partial = torch.addmm(norms, part, book.T, alpha=-2)  # |c|^2 - 2 x.c
+        value, where = partial.min(dim=1)
+        index[start:start + part.shape[0]] = where
+        distance[start:start + part.shape[0]] = (value + part.square().sum(dim=1)).clamp_(min=0)
+    return index, distance
+
+
+def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks float32 [n, 32] -> (scale bytes int64 [n], indices int64 [n, 8]): every block, any values."""
+    norms = book.square().sum(dim=1)
+    base = nearest_scale_bytes(blocks.abs().amax(dim=1) / book.abs().max())
+    best_error = torch.full((blocks.shape[0],), float("inf"), dtype=torch.float32)
+    best_bytes = base.clone()
+    best_index = torch.zeros(blocks.shape[0], GROUP // DIM, dtype=torch.int64)
+    for step in SEARCH_STEPS:
+        candidate = (base + step).clamp(0, 255)
+        scale = decode_scales(candidate)
+        index, distance = _nearest((blocks / scale[:, None]).reshape(-1, DIM), book, norms)
+        error = distance.reshape(blocks.shape[0], -1).sum(dim=1) * scale.square()
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_bytes = torch.where(better, candidate, best_bytes)
+        best_index = torch.where(better[:, None], index.reshape(blocks.shape[0], -1), best_index)
+    return best_bytes.to(torch.int64), best_index
+
+
+@cache
+def _relative_scales(bits: int) -> torch.Tensor:
+    """[8, steps]: the candidate scales of a block whose absolute maximum is 0.5 * (1 + m / 8) (row m);
+    a block whose maximum is that times 2**e has these times 2**e (checked per block)."""
+    maxima = torch.tensor([0.5 * (1 + m / 8) for m in range(8)], dtype=torch.float32)
+    base = nearest_scale_bytes(maxima / codebooks()[bits].abs().max())
+    return decode_scales((base[:, None] + torch.tensor(list(SEARCH_STEPS))[None, :]).clamp(0, 255))
+
+
+class _PairCache:
+    """Each (4-vector key, maximum row) seen so far in this process, sorted, with its nearest codeword
+    and squared distance at every candidate scale: [U, steps]."""
+
+    def __init__(self) -> None:
+        self.keys = np.zeros(0, np.int64)
+        self.index = torch.zeros(0, len(SEARCH_STEPS), dtype=torch.int64)
+        self.distance = torch.zeros(0, len(SEARCH_STEPS), dtype=torch.float32)
+
+    def lookup(self, keys: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys: sorted, distinct -> their rows [len(keys), steps] of indices and distances."""
+        where = np.searchsorted(self.keys, keys).clip(max=max(self.keys.size - 1, 0))
+        missing = keys if self.keys.size == 0 else keys[self.keys[where] != keys]
+        if missing.size:
+            self._add(missing, bits)
+            where = np.searchsorted(self.keys, keys)
+        rows = torch.from_numpy(where)
+        return self.index[rows], self.distance[rows]
+
+    def _add(self, keys: np.ndarray, bits: int) -> None:
+        book = codebooks()[bits]
+        fields = np.stack([(keys >> shift) & ((1 << 12) - 1) for shift in (39, 27, 15, 3)], axis=1)
+        vectors = torch.from_numpy((fields.astype(np.uint32) << _KEY_SHIFT).view(np.float32))
+        scales = _relative_scales(bits)[torch.from_numpy(keys & 7)]  # [m, steps]
+        norms = book.square().sum(dim=1)
+        index = torch.empty(keys.size, scales.shape[1], dtype=torch.int64)
+        distance = torch.empty(keys.size, scales.shape[1], dtype=torch.float32)
+        for step in range(scales.shape[1]):
+            index[:, step], distance[:, step] = _nearest(vectors / scales[:, step:step + 1], book, norms)
+        order = np.argsort(np.concatenate([self.keys, keys]), kind="stable")
+        self.keys = np.concatenate([self.keys, keys])[order]
+        self.index = torch.cat([self.index, index])[torch.from_numpy(order)]
+        self.distance = torch.cat([self.distance, distance])[torch.from_numpy(order)]
+
+
+_PAIRS: dict[int, _PairCache] = {}
+
+
+def _table_search(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_search` for blocks whose values, divided by the power of two just above their maximum, have
+    at most 3 mantissa bits (every MXFP4 block). Such a block's 4-vectors are 48-bit keys, its candidate
+    scales divided by that power of two one of 8 rows, and dividing both by a power of two leaves every
+    quotient's float32 rounding as it is: so each (vector, row) is searched once per process, at every
+    scale, and the choices are `_search`'s. Returns (scale bytes [n], indices [n, 8], decided [n]); an
+    undecided block (off the table) has garbage in the first two."""
+    n = blocks.shape[0]
+    book = codebooks()[bits]
+    amax = blocks.abs().amax(dim=1)
+    base = nearest_scale_bytes(amax / book.abs().max())
+    candidates = (base[:, None] + torch.tensor(list(SEARCH_STEPS))[None, :]).clamp(0, 255)
+    scales = decode_scales(candidates)  # [n, steps]
+    amax_mantissa, amax_octave = np.frexp(amax.numpy())
+    row = ((amax_mantissa.astype(np.float32).view(np.uint32) >> _KEY_SHIFT) & 7).astype(np.int64)
+    raw = np.ldexp(blocks.numpy(), -amax_octave[:, None]).view(np.uint32)
+    keys = np.right_shift(raw, _KEY_SHIFT).astype(np.int64)  # [n, 32], 12 bits each
+    fits = (amax_mantissa > 0) & ~(raw & ((1 << _KEY_SHIFT) - 1)).any(axis=1) & np.take(_KEY_VALID, keys).all(axis=1)
+    fits &= (np.ldexp(_relative_scales(bits).numpy()[row], amax_octave[:, None]) == scales.numpy()).all(axis=1)
+    rows = np.flatnonzero(fits)
+    decided = torch.zeros(n, dtype=torch.bool)
+    chosen_bytes = torch.zeros(n, dtype=torch.int64)
+    index = torch.zeros(n, GROUP // DIM, dtype=torch.int64)
+    if rows.size == 0:
+        return chosen_bytes, index, decided
+    vector_keys = keys[rows].reshape(rows.size, GROUP // DIM, DIM)
+    pair_keys = ((vector_keys[..., 0] << 39) | (vector_keys[..., 1] << 27) | (vector_keys[..., 2] << 15)
+                 | (vector_keys[..., 3] << 3) | row[rows, None])
+    distinct, inverse_flat = np.unique(pair_keys.reshape(-1), return_inverse=True)
+    nearest, distance = _PAIRS.setdefault(bits, _PairCache()).lookup(distinct, bits)
+    inverse = torch.from_numpy(inverse_flat.reshape(rows.size, GROUP // DIM))
+    rows_t = torch.from_numpy(rows)
+    error = distance[inverse].sum(dim=1) * scales[rows_t].square()  # [r, steps]: _search's float32 sums
+    best = error.argmin(dim=1)
+    chosen_bytes[rows_t] = candidates[rows_t, best]
+    index[rows_t] = nearest[inverse, best[:, None]]
+    decided[rows_t] = True
+    return chosen_bytes, index, decided
+
+
+def _fields(index: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., K/4] indices -> [..., K] `bits`-bit fields, low field first (version 1's code order)."""
+    shifts = torch.arange(DIM, dtype=torch.int64) * bits
+    return ((index.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2).to(torch.uint8)
+
+
+def _indices(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    grouped = fields.to(torch.int64).unflatten(-1, (-1, DIM))
+    shifts = torch.arange(DIM, dtype=torch.int64) * bits
+    return (grouped << shifts).sum(dim=-1)
+
+
+@torch.no_grad()
+def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: int = 256
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [rows, K] -> (codes uint8 [rows, K*bits/8], scales uint8 [rows, K/32])."""
+    check_encodable(tuple(weight.shape), bits, ENTRIES, name, "TWX v2")
+    book = codebooks()[bits]
+    rows, k = weight.shape
+    fields = torch.empty(rows, k, dtype=torch.uint8)
+    scale_bytes = torch.empty(rows, k // GROUP, dtype=torch.uint8)
+    for first in range(0, rows, chunk_rows):
+        part = weight[first:first + chunk_rows].to(torch.float32)
+        if not torch.isfinite(part).all():
+            raise non_finite(name, first * k + int((~torch.isfinite(part)).reshape(-1).nonzero()[0]), k)
+        blocks = part.reshape(-1, GROUP)
+        chosen_bytes, index, decided = _table_search(blocks, bits)
+        if not bool(decided.all()):
+            rest = torch.nonzero(~decided).squeeze(1)
+            chosen_bytes[rest], index[rest] = _search(blocks[rest], book)
+        fields[first:first + part.shape[0]] = _fields(index.reshape(part.shape[0], -1), bits)
+        scale_bytes[first:first + part.shape[0]] = chosen_bytes.reshape(part.shape[0], -1).to(torch.uint8)
+    return pack_codes(fields, bits), scale_bytes
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+           name: str = "tensor") -> torch.Tensor:
+    """The reference decoder: (codes, scales) -> [rows, K]; bits follow from the two shapes."""
+    k, bits = checked_pair(codes, scales, ENTRIES, name, "TWX v2")
+    index = _indices(unpack_codes(codes, bits, k), bits)
+    values = codebooks()[bits][index].reshape(codes.shape[0], k)
+    return (values * decode_scales(scales).repeat_interleave(GROUP, dim=1)).to(dtype)
+
+
+def quantization_config(fmt, expert_bits: dict, source_format: str) -> dict:
+    """config.json's `quantization_config` of a build in a TWX v2 format (`fmt`, a registry entry)."""
+    return {
+        "quant_method": fmt.quant_method,
+        "format": fmt.name,
+        "format_version": FORMAT_VERSION,
+        "group_size": GROUP,
+        "scale_encoding": "ue5m3",
+        "scale_exponent_bias": SCALE_EXP_BIAS,
+        "codebook": {"dim": DIM, "entries": {str(b): n for b, n in ENTRIES.items()},
+                     "file": CODEBOOK_FILE.name, "sha256": codebook_sha256()},
+        "tensors": {"codes": fmt.codes_suffix, "scales": fmt.scales_suffix},
+        "expert_bits": expert_bits,
+        "source_format": source_format,
+    }
+
+
+# ------------------------------------------------------------------------- making the codebooks
+def _training_blocks(weights: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return mxfp4.quantize_values(torch.randn(weights // 512, 512, generator=generator)).reshape(-1, GROUP)
+
+
+def _centroids(vectors: torch.Tensor, index: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    total = torch.zeros_like(book).index_add_(0, index, vectors)
+    count = torch.zeros(book.shape[0], dtype=torch.float32).index_add_(0, index, torch.ones(vectors.shape[0]))
+    return torch.where(count[:, None] > 0, total / count.clamp(min=1)[:, None], book)
+
+
+def train_codebook(bits: int, weights: int = 1 << 22, kmeans_rounds: int = 10, encoder_rounds: int = 4,
+                   seed: int = 0) -> torch.Tensor:
+    """k-means on 4-vectors of MXFP4-published Gaussian weights, each block divided by the UE5M3 scale
+    nearest to its maximum / 2.5, then rounds of re-fitting each codeword to the vectors the encoder
+    gives it (at the scale the encoder chooses)."""
+    blocks = _training_blocks(weights, seed)
+    start = decode_scales(nearest_scale_bytes(blocks.abs().amax(dim=1) / 2.5))
+    vectors = (blocks / start[:, None]).reshape(-1, DIM)
+    generator = torch.Generator().manual_seed(seed + 1)
+    book = vectors[torch.randperm(vectors.shape[0], generator=generator)[:ENTRIES[bits]]].clone()
+    for _ in range(kmeans_rounds):
+        book = _centroids(vectors, _nearest(vectors, book, book.square().sum(dim=1))[0], book)
+    for _ in range(encoder_rounds):
+        chosen_bytes, index = _search(blocks, book)
+        book = _centroids((blocks / decode_scales(chosen_bytes)[:, None]).reshape(-1, DIM), index.reshape(-1), book)
+    return book
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train TWX v2's codebooks (format constants) into a file.")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    from safetensors.torch import save_file
+
+    books = {f"codebook.{bits}": train_codebook(bits) for bits in ENTRIES}
+    with atomic_path(args.out) as tmp:
+        save_file(books, str(tmp), {"recipe": RECIPE, "weights": str(1 << 22)})
+    print(f"{args.out}: " + ", ".join(f"{n} {tuple(b.shape)} rms {float(b.square().mean().sqrt()):.4f}"
+                                      for n, b in books.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""TWX format version 2: the reference decoder agrees with a decoder written from kernels/FORMAT.md
+alone, the encoder keeps the best of the scales it searches, and v2 loses less than v1."""
+import re
+from pathlib import Path
+
+import pytest
+import test_twx
+import torch
+
+from moeshrink.core import expert_formats
+from moeshrink.core.ioutil import sha256_file
+from moeshrink.formats import mxfp4, twx, twx_vq
+
+FORMAT_PAGE = Path(__file__).resolve().parent.parent / "kernels" / "FORMAT.md"
+
+
+def page_decode(codes: torch.Tensor, scales: torch.Tensor, books: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Straight from FORMAT.md's version 2: index g of 4 * bits bits at bit 4 * bits * g of the row,
+    weight 4g + d its codeword's entry d."""
+    def entry(row_bits: int, j: int, bits: int) -> float:
+        return float(books[bits][(row_bits >> (4 * bits * (j // 4))) & ((1 << (4 * bits)) - 1), j % 4])
+
+    return test_twx.page_decode(codes, scales, entry)
+
+
+def test_the_page_names_the_codebook_file_by_its_sha256():
+    text = FORMAT_PAGE.read_text()
+    match = re.search(r"`twx_vq_codebooks\.safetensors`, sha256 `([0-9a-f]{64})`", text)
+    assert match, "FORMAT.md must name the codebook file and its sha256"
+    assert match[1] == sha256_file(twx_vq.CODEBOOK_FILE) == twx_vq.codebook_sha256()
+    books = twx_vq.codebooks()
+    assert {b: tuple(t.shape) for b, t in books.items()} == {2: (256, 4), 3: (4096, 4)}
+    assert all(t.dtype == torch.float32 for t in books.values())
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_reference_decoder_matches_the_format_page(bits):
+    generator = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 256, (3, 64 * bits // 8), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(60, 200, (3, 2), generator=generator, dtype=torch.uint8)
+    books = {b: t.clone() for b, t in twx_vq.codebooks().items()}
+    assert torch.equal(twx_vq.decode(codes, scales, torch.float32), page_decode(codes, scales, books))
+    weight = mxfp4.quantize_values(torch.randn(5, 96, generator=generator) * 0.05)
+    codes, scales = twx_vq.encode(weight, bits)
+    assert codes.shape == (5, 96 * bits // 8) and scales.shape == (5, 3)
+    assert torch.equal(twx_vq.decode(codes, scales, torch.float32), page_decode(codes, scales, books))
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_encoder_keeps_the_best_searched_scale_with_nearest_codewords(bits):
+    """Against a brute-force search written apart: every scale step, every codeword, per block."""
+    generator = torch.Generator().manual_seed(10 + bits)
+    weight = mxfp4.quantize_values(torch.randn(4, 64, generator=generator) * 0.03)
+    codes, scales = twx_vq.encode(weight, bits)
+    decoded = twx_vq.decode(codes, scales, torch.float32)
+    book = twx_vq.codebooks()[bits].double()
+    blocks = weight.double().reshape(-1, 32)
+    got = (decoded.double().reshape(-1, 32) - blocks).square().sum(dim=1)
+    base = twx.nearest_scale_bytes(weight.reshape(-1, 32).abs().amax(dim=1) / twx_vq.codebooks()[bits].abs().max())
+    for block in range(blocks.shape[0]):
+        best = float("inf")
+        for step in twx_vq.SEARCH_STEPS:
+            scale = float(twx.decode_scales((base[block] + step).clamp(0, 255)))
+            vectors = blocks[block].reshape(-1, 4) / scale
+            nearest = torch.cdist(vectors, book).argmin(dim=1)
+            best = min(best, float((book[nearest] * scale - blocks[block].reshape(-1, 4)).square().sum()))
+        assert float(got[block]) <= best * (1 + 1e-5) + 1e-30, block
+
+
+@pytest.mark.parametrize("bits,limit", [(3, 0.02), (2, 0.092)])
+def test_v2_loses_less_than_v1_on_mxfp4_published_gaussians(bits, limit):
+    weight = mxfp4.quantize_values(torch.randn(64, 512, generator=torch.Generator().manual_seed(1)) * 0.02)
+
+    def error(codec) -> float:
+        codes, scales = codec.encode(weight, bits)
+        assert 8 * (codes.numel() + scales.numel()) / weight.numel() == twx.bits_per_weight(bits)
+        return float((codec.decode(codes, scales, torch.float32) - weight).pow(2).sum() / weight.pow(2).sum())
+
+    assert error(twx_vq) < limit
+    assert error(twx_vq) < 0.95 * error(twx)
+
+
+def test_v2_tensors_are_never_read_as_v1():
+    """Same shapes, other meaning: version 2's tensors have names of their own, so a reader that
+    finds them by name finds the right decoder."""
+    names = {"m.experts.0.down_proj.tw2_codes", "m.experts.0.down_proj.tw2_scales",
+             "m.experts.1.down_proj.twx_codes", "m.experts.1.down_proj.twx_scales"}
+    v2 = expert_formats.encoded_weight("m.experts.0.down_proj.tw2_codes", names)
+    v1 = expert_formats.encoded_weight("m.experts.1.down_proj.twx_codes", names)
+    assert v2[0].codec_module() is twx_vq and v2[1:] == ("m.experts.0.down_proj.weight", "m.experts.0.down_proj.tw2_scales")
+    assert v1[0].codec_module() is twx
+
+
+def test_quantization_config_names_version_codebook_and_tensors():
+    from moeshrink.compress.builder import quantization_config
+
+    cfg = quantization_config({"quantize": {"format": "twx2.5-v2", "expert_bits": {}}, "source_format": "mxfp4"})
+    assert cfg["format_version"] == 2 and cfg["quant_method"] == "twx" and cfg["format"] == "twx2.5-v2"
+    assert cfg["codebook"] == {"dim": 4, "entries": {"2": 256, "3": 4096}, "file": "twx_vq_codebooks.safetensors",
+                               "sha256": twx_vq.codebook_sha256()}
+    assert cfg["tensors"] == {"codes": "tw2_codes", "scales": "tw2_scales"}
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_the_table_search_chooses_what_the_plain_search_chooses(bits, monkeypatch):
+    """MXFP4 blocks go through the per-process table of (4-vector, scale row) pairs, anything else
+    (here one row of plain floats and one of zeros) through the plain search: same bytes as the
+    plain search everywhere."""
+    generator = torch.Generator().manual_seed(20 + bits)
+    weight = mxfp4.quantize_values(torch.randn(48, 256, generator=generator) * 0.02)
+    weight[5] = torch.randn(256, generator=generator) * 0.02
+    weight[6] = 0.0
+    _, _, decided = twx_vq._table_search(weight.reshape(-1, 32), bits)
+    assert decided.reshape(48, -1).all(dim=1).sum() == 46 and not decided.reshape(48, -1)[5:7].any()
+    fast = twx_vq.encode(weight, bits)
+    monkeypatch.setattr(twx_vq, "_table_search", lambda blocks, bits: (
+        torch.zeros(blocks.shape[0], dtype=torch.int64), torch.zeros(blocks.shape[0], 8, dtype=torch.int64),
+        torch.zeros(blocks.shape[0], dtype=torch.bool)))
+    plain = twx_vq.encode(weight, bits)
+    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
