@@ -194,6 +194,17 @@ def test_v2_with_other_codebooks_fails_at_load(plugin):
         get_quantization_config("twx").from_config(quant_config(format_version=2, codebook={"sha256": "0" * 64}))
 
 
+def test_each_version_has_its_own_tensor_names_when_the_config_names_none(plugin):
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from moeshrink.formats import twx_vq
+
+    read = get_quantization_config("twx").from_config
+    assert read(quant_config()).tensors == {"codes": "twx_codes", "scales": "twx_scales"}
+    v2 = read(quant_config(format_version=2, codebook={"sha256": twx_vq.codebook_sha256()}))
+    assert v2.tensors == {"codes": "tw2_codes", "scales": "tw2_scales"} and v2.version == 2
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_loader_places_each_expert_and_names_a_misshapen_tensor(plugin, version):
     twx_method = plugin.twx.TWXExpertsMethod

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from moeshrink.formats import twx_vq
-from moeshrink.formats.twx_layout import CODES, SCALES
+from moeshrink.formats.twx_layout import CODES, SCALES, VQ_CODES, VQ_SCALES
 from moeshrink_kernels.experts import TWXLayout
 from moeshrink_kernels.vllm.packed import PackedExpertsConfig, PackedExpertsError, PackedExpertsMethod, layer_index
 
 TWX_FORMAT_VERSIONS = (1, 2)
+# the tensor suffixes of each version, where quantization_config.tensors does not say
+DEFAULT_TENSORS = {1: {"codes": CODES, "scales": SCALES}, 2: {"codes": VQ_CODES, "scales": VQ_SCALES}}
 
 
 class TWXExpertsMethod(PackedExpertsMethod):
@@ -66,7 +68,7 @@ class TWXConfig(PackedExpertsConfig):
             raise PackedExpertsError(f"quantization_config: TWX v{version} has group_size 32 and scale_encoding ue5m3, "
                                      f"got {quant_config.get('group_size')!r} and {quant_config.get('scale_encoding')!r}")
         self.version = version
-        self.tensors = quant_config.get("tensors") or {"codes": CODES, "scales": SCALES}
+        self.tensors = quant_config.get("tensors") or DEFAULT_TENSORS[version]
         if version == 2:
             written = (quant_config.get("codebook") or {}).get("sha256")
             if written != twx_vq.codebook_sha256():
