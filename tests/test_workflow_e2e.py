@@ -155,19 +155,26 @@ def test_vllm_serves_the_bf16_twin(workdir, tmp_path):
     assert decided == 0 or agree == decided
 
 
-@pytest.mark.parametrize("build", ["original", "twx2_5"])
+@pytest.mark.parametrize("build", ["original", "twx2_5", "twx2.5-v2"])
 def test_packed_build_served_by_the_plugin_agrees_with_its_twin(workdir, tmp_path, build):
     """The plugin serves the build's packed experts (MXFP4 under DeepSeek-V3 routing; TWX at two
-    widths) through vLLM's own CPU MoE kernel on the decoded experts, so vLLM serving the decoded
-    bf16 twin plainly gives the same next-token distributions; bench/plugin_agreement.py measures it
-    over 5,000+ positions."""
+    widths, format versions 1 and 2) through vLLM's own CPU MoE kernel on the decoded experts, so vLLM
+    serving the decoded bf16 twin plainly gives the same next-token distributions;
+    bench/plugin_agreement.py measures it over 5,000+ positions. The v2 build is made here from the
+    run's upstream (the embedded default builds version 1)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import plugin_agreement
 
+    from moeshrink import stages
     from moeshrink.evals import next_token
     from moeshrink.upstream.twin import make_twin
 
     packed_dir = workdir / f"results/organism/builds/{build}"
+    if build == "twx2.5-v2":
+        packed_dir = tmp_path / "v2"
+        stages.build_folder("v2", {"label": "v2", "quantize": {"format": build}}, workdir / "results/organism/upstream",
+                            packed_dir)
+        assert json.loads((packed_dir / "config.json").read_text())["quantization_config"]["format_version"] == 2
     twin_dir = workdir / "results/organism/upstream-bf16" if build == "original" else tmp_path / "twin"
     if build != "original":
         make_twin(packed_dir, twin_dir)
