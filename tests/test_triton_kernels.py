@@ -177,7 +177,7 @@ def test_twx25_routed_experts_match_cpu_path(te, version):
     # rounding mode) where a GPU rounds to nearest; v2's codewords are rarely bf16-exact, which doubles
     # the gap there (measured: v1 0.0057, v2 0.0109; against a float64 reference the CPU path is 0.0017
     # for both, so the decode itself is exact: test_decode_is_exact_for_every_code_and_scale)
-    assert relative_error(got, expected.float()) <= (2e-2 if INTERPRETING else 1e-2)
+    assert relative_error(got, expected.float()) <= (2e-2 if INTERPRETING and version == 2 else 1e-2)
 
 
 def test_mxfp4_routed_experts_match_cpu_path(te):
