@@ -53,7 +53,10 @@ ENTRIES = {2: 256, 3: 4096}
 CODEBOOK_FILE = Path(__file__).with_name("twx_vq_codebooks.safetensors")
 RECIPE = "k-means on 4-vectors of MXFP4-published Gaussian weights, each block divided by the UE5M3 scale"
 SEARCH_STEPS = range(-4, 5)  # UE5M3 steps (1/8 octave) around the block's maximum over the codebook's
+_STEPS = torch.tensor(list(SEARCH_STEPS))
 _CHUNK_VECTORS = 2048
+# a table key: the 4 values' 12-bit keys at these bit offsets, and the 3-bit maximum row below them
+_FIELD_SHIFTS = (39, 27, 15, 3)
 
 
 @cache
@@ -86,15 +89,21 @@ def _nearest(vectors: torch.Tensor, book: torch.Tensor, norms: torch.Tensor) -> 
     return index, distance
 
 
+def _candidate_bytes(amax: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    """[n, steps] int64: the UE5M3 bytes the encoder tries for blocks with these absolute maxima."""
+    base = nearest_scale_bytes(amax / book.abs().max()).to(torch.int64)
+    return (base[:, None] + _STEPS[None, :]).clamp(0, 255)
+
+
 def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks float32 [n, 32] -> (scale bytes int64 [n], indices int64 [n, 8]): every block, any values."""
     norms = book.square().sum(dim=1)
-    base = nearest_scale_bytes(blocks.abs().amax(dim=1) / book.abs().max())
+    candidates = _candidate_bytes(blocks.abs().amax(dim=1), book)
     best_error = torch.full((blocks.shape[0],), float("inf"), dtype=torch.float32)
-    best_bytes = base.clone()
+    best_bytes = candidates[:, 0].clone()
     best_index = torch.zeros(blocks.shape[0], GROUP // DIM, dtype=torch.int64)
-    for step in SEARCH_STEPS:
-        candidate = (base + step).clamp(0, 255)
+    for step in range(candidates.shape[1]):
+        candidate = candidates[:, step]
         scale = decode_scales(candidate)
         index, distance = _nearest((blocks / scale[:, None]).reshape(-1, DIM), book, norms)
         error = distance.reshape(blocks.shape[0], -1).sum(dim=1) * scale.square()
@@ -102,7 +111,7 @@ def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, tor
         best_error = torch.where(better, error, best_error)
         best_bytes = torch.where(better, candidate, best_bytes)
         best_index = torch.where(better[:, None], index.reshape(blocks.shape[0], -1), best_index)
-    return best_bytes.to(torch.int64), best_index
+    return best_bytes, best_index
 
 
 @cache
@@ -110,34 +119,34 @@ def _relative_scales(bits: int) -> torch.Tensor:
     """[8, steps]: the candidate scales of a block whose absolute maximum is 0.5 * (1 + m / 8) (row m);
     a block whose maximum is that times 2**e has these times 2**e (checked per block)."""
     maxima = torch.tensor([0.5 * (1 + m / 8) for m in range(8)], dtype=torch.float32)
-    base = nearest_scale_bytes(maxima / codebooks()[bits].abs().max())
-    return decode_scales((base[:, None] + torch.tensor(list(SEARCH_STEPS))[None, :]).clamp(0, 255))
+    return decode_scales(_candidate_bytes(maxima, codebooks()[bits]))
 
 
 class _PairCache:
-    """Each (4-vector key, maximum row) seen so far in this process, sorted, with its nearest codeword
-    and squared distance at every candidate scale: [U, steps]."""
+    """Each (4-vector key, maximum row) seen so far in this process at one code width, sorted, with
+    its nearest codeword and squared distance at every candidate scale: [U, steps]."""
 
-    def __init__(self) -> None:
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
         self.keys = np.zeros(0, np.int64)
         self.index = torch.zeros(0, len(SEARCH_STEPS), dtype=torch.int64)
         self.distance = torch.zeros(0, len(SEARCH_STEPS), dtype=torch.float32)
 
-    def lookup(self, keys: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """keys: sorted, distinct -> their rows [len(keys), steps] of indices and distances."""
         where = np.searchsorted(self.keys, keys).clip(max=max(self.keys.size - 1, 0))
         missing = keys if self.keys.size == 0 else keys[self.keys[where] != keys]
         if missing.size:
-            self._add(missing, bits)
+            self._add(missing)
             where = np.searchsorted(self.keys, keys)
         rows = torch.from_numpy(where)
         return self.index[rows], self.distance[rows]
 
-    def _add(self, keys: np.ndarray, bits: int) -> None:
-        book = codebooks()[bits]
-        fields = np.stack([(keys >> shift) & ((1 << 12) - 1) for shift in (39, 27, 15, 3)], axis=1)
+    def _add(self, keys: np.ndarray) -> None:
+        book = codebooks()[self.bits]
+        fields = np.stack([(keys >> shift) & ((1 << 12) - 1) for shift in _FIELD_SHIFTS], axis=1)
         vectors = torch.from_numpy((fields.astype(np.uint32) << _KEY_SHIFT).view(np.float32))
-        scales = _relative_scales(bits)[torch.from_numpy(keys & 7)]  # [m, steps]
+        scales = _relative_scales(self.bits)[torch.from_numpy(keys & 7)]  # [m, steps]
         norms = book.square().sum(dim=1)
         index = torch.empty(keys.size, scales.shape[1], dtype=torch.int64)
         distance = torch.empty(keys.size, scales.shape[1], dtype=torch.float32)
@@ -160,10 +169,8 @@ def _table_search(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
     scale, and the choices are `_search`'s. Returns (scale bytes [n], indices [n, 8], decided [n]); an
     undecided block (off the table) has garbage in the first two."""
     n = blocks.shape[0]
-    book = codebooks()[bits]
     amax = blocks.abs().amax(dim=1)
-    base = nearest_scale_bytes(amax / book.abs().max())
-    candidates = (base[:, None] + torch.tensor(list(SEARCH_STEPS))[None, :]).clamp(0, 255)
+    candidates = _candidate_bytes(amax, codebooks()[bits])
     scales = decode_scales(candidates)  # [n, steps]
     amax_mantissa, amax_octave = np.frexp(amax.numpy())
     row = ((amax_mantissa.astype(np.float32).view(np.uint32) >> _KEY_SHIFT) & 7).astype(np.int64)
@@ -178,10 +185,11 @@ def _table_search(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
     if rows.size == 0:
         return chosen_bytes, index, decided
     vector_keys = keys[rows].reshape(rows.size, GROUP // DIM, DIM)
-    pair_keys = ((vector_keys[..., 0] << 39) | (vector_keys[..., 1] << 27) | (vector_keys[..., 2] << 15)
-                 | (vector_keys[..., 3] << 3) | row[rows, None])
+    pair_keys = row[rows, None]
+    for d, shift in enumerate(_FIELD_SHIFTS):
+        pair_keys = pair_keys | (vector_keys[..., d] << shift)
     distinct, inverse_flat = np.unique(pair_keys.reshape(-1), return_inverse=True)
-    nearest, distance = _PAIRS.setdefault(bits, _PairCache()).lookup(distinct, bits)
+    nearest, distance = _PAIRS.setdefault(bits, _PairCache(bits)).lookup(distinct)
     inverse = torch.from_numpy(inverse_flat.reshape(rows.size, GROUP // DIM))
     rows_t = torch.from_numpy(rows)
     error = distance[inverse].sum(dim=1) * scales[rows_t].square()  # [r, steps]: _search's float32 sums
