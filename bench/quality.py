@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeshrink.compress.builder import allocate_bits, expert_weights, relative_error
+from moeshrink.compress.builder import allocate_bits, expert_weights, weight_error_gains
 from moeshrink.core import expert_formats
 from moeshrink.core.arch import adapter_for
 from moeshrink.core.ioutil import atomic_write_json, read_json
@@ -178,8 +178,7 @@ def measure(experts: Callable[[], Iterator[tuple[ExpertKey, torch.Tensor]]], ggm
         norms.setdefault(layer, {}).setdefault(expert, 0.0)
         norms[layer][expert] += float(weight.pow(2).sum())
     twx2_5 = expert_formats.get("twx2.5", "bench")
-    plan_bits = allocate_bits(norms, relative_error(twx2_5, 2) - relative_error(twx2_5, 3),
-                              twx2_5.default_budget, twx2_5)
+    plan_bits = allocate_bits(weight_error_gains(norms, twx2_5)[0], twx2_5.default_budget, twx2_5)
     squared_error = {f"{m}{b}": 0.0 for m in METHODS for b in (2, 3)}
     squared_error.update({f"{m}_mix": 0.0 for m in METHODS})
     peers = list(GGML_TYPES) if ggml else []

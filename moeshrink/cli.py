@@ -98,8 +98,12 @@ def cmd_quantize(args) -> int:
     spec = {"format": args.format}
     if args.max_bits_per_weight is not None:
         spec["max_bits_per_weight"] = args.max_bits_per_weight
+    calibration = Path(args.calibration) if args.calibration else None
+    if calibration:
+        spec["calibration"] = {"file": str(calibration), "sequences": args.sequences, "seq_len": args.seq_len}
     build = {"label": args.format, "quantize": spec}
-    manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), Path(args.output))
+    manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), Path(args.output),
+                                   quantize_calibration_file=calibration)
     print(json.dumps({"routed_expert_bits_per_weight": manifest["routed_expert_bits_per_weight"],
                       "total_bytes": manifest["total_bytes"]}))
     return 0
@@ -205,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=list(expert_formats.formats()), required=True)
     p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (default: " + ", ".join(
         f"{name} {fmt.default_budget:g}" for name, fmt in expert_formats.formats().items()) + ")")
+    p.add_argument("--calibration", help="a format of two code widths (TWX2.5): allocate bits by output error on "
+                                         "this text (.jsonl with a text field, or plain text); default: calibration-free")
+    p.add_argument("--sequences", type=int, default=32, help="--calibration: sequences")
+    p.add_argument("--seq-len", type=int, default=256, help="--calibration: tokens per sequence")
 
     p = _command(sub, cmd_plan, reads_config=True,
                  help="predict weights, KV-cache room and tokens per card for every build, GPU type "

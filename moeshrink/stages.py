@@ -150,22 +150,38 @@ def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_d
     return record
 
 
-def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, upstream_manifest: dict, out_file: Path,
-               calibration_file: Path | None = None) -> dict:
-    from moeshrink.compress.builder import make_plan
+def encoder_table(table: str, bits: int, out_file: Path) -> dict:
+    """The table a format's encoder loads (`ExpertFormat.encoder_table`), at one code width."""
+    from moeshrink.core import expert_formats
 
-    inputs = [str(upstream_dir)] + ([str(calibration_file)] if calibration_file else [])
-    prov = Provenance("build_plan", {build_id: build_cfg}, inputs=inputs)
-    plan = make_plan(build_id, build_cfg, upstream_dir, upstream_manifest, calibration_file)
+    owners = [fmt for fmt in expert_formats.formats().values() if fmt.encoder_table == table]
+    if not any(bits in fmt.code_bits for fmt in owners):
+        raise expert_formats.FormatError(f"no expert format keeps an encoder table {table!r} at {bits} bits")
+    done = owners[0].codec_module().write_encoder_table(bits, out_file)
+    log.info(json.dumps(done))
+    return done
+
+
+def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, upstream_manifest: dict, out_file: Path,
+               calibration_file: Path | None = None, encoder_tables: list[Path] = (),
+               quantize_calibration_file: Path | None = None) -> dict:
+    from moeshrink.compress.builder import load_encoder_tables, make_plan
+
+    texts = [str(path) for path in (calibration_file, quantize_calibration_file) if path]
+    prov = Provenance("build_plan", {build_id: build_cfg}, inputs=[str(upstream_dir), *texts])
+    load_encoder_tables(build_cfg, encoder_tables)
+    plan = make_plan(build_id, build_cfg, upstream_dir, upstream_manifest, calibration_file, quantize_calibration_file)
     plan["provenance"] = prov.record()
     atomic_write_json(out_file, plan)
     return plan
 
 
-def build_shard(upstream_dir: Path, upstream_manifest: dict, shard: str, plan_file: Path, out_path: Path) -> dict:
-    from moeshrink.compress.builder import changes_nothing, link_shard, rewrite_shard
+def build_shard(upstream_dir: Path, upstream_manifest: dict, shard: str, plan_file: Path, out_path: Path,
+                encoder_tables: list[Path] = ()) -> dict:
+    from moeshrink.compress.builder import changes_nothing, link_shard, load_encoder_tables, rewrite_shard
 
     plan = read_json(plan_file)
+    load_encoder_tables(plan, encoder_tables)
     if changes_nothing(plan):
         done = link_shard(upstream_dir, upstream_manifest, shard, out_path)
     else:
@@ -188,7 +204,7 @@ def build_gather(build_dir: Path, upstream_dir: Path, upstream_manifest: dict, p
 
 
 def build_folder(build_id: str, build_cfg: dict, upstream_dir: Path, out_dir: Path,
-                 calibration_file: Path | None = None) -> dict:
+                 calibration_file: Path | None = None, quantize_calibration_file: Path | None = None) -> dict:
     """A whole build in one process (the CLI's path); the same files the workflow's jobs write."""
     from moeshrink.core.checkpoint import build_manifest
 
@@ -198,7 +214,8 @@ def build_folder(build_id: str, build_cfg: dict, upstream_dir: Path, out_dir: Pa
     else:
         upstream_manifest = {**build_manifest(upstream_dir, {"kind": "path", "dir": str(upstream_dir)}),
                              "revision": None}
-    plan = build_plan(build_id, build_cfg, upstream_dir, upstream_manifest, out_dir / "plan.json", calibration_file)
+    plan = build_plan(build_id, build_cfg, upstream_dir, upstream_manifest, out_dir / "plan.json", calibration_file,
+                      quantize_calibration_file=quantize_calibration_file)
     for shard in plan["shards"]:
         build_shard(upstream_dir, upstream_manifest, shard, out_dir / "plan.json", out_dir / shard)
     return build_gather(out_dir, upstream_dir, upstream_manifest, out_dir / "plan.json", plan["shards"])

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
-from moeshrink.core import eval_kinds, prune_methods
+from moeshrink.core import eval_kinds, expert_formats, prune_methods
 from moeshrink.core.layout import report_file, results_dir
 from moeshrink.report.report_inputs import input_files as report_input_files
 from moeshrink.core.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
@@ -81,6 +81,11 @@ def server_queue_priority(wildcards):
     return len(BUILD_IDS) - queue_order(config, wildcards.build)
 
 
+def before_every_build(wildcards):
+    """What every build may need (an encoder table) runs before any build's own jobs."""
+    return len(BUILD_IDS) + 1
+
+
 def upstream_params():
     """The part of the upstream config that decides what results/upstream/ holds (the organism's
     data, tokenizer and training reach it as input files instead)."""
@@ -116,12 +121,24 @@ def build_shards(wildcards):
 
 
 def build_calibration(wildcards):
-    """The calibration text of a build pruned by a method that reads one (reap): its configured file, or the
-    organism corpus."""
-    spec = config["builds"][wildcards.build].get("prune") or {}
-    if not spec or not prune_methods.get(spec["method"], f"builds.{wildcards.build}.prune.method").calibrated:
-        return {}
-    return {"calibration": spec["calibration"]["file"] or f"{ORGANISM_DATA}/corpus.jsonl"}
+    """The calibration texts a build's plan reads: a calibrated prune method's (reap) and output-aware bit
+    allocation's, each its configured file or the organism corpus."""
+    build = config["builds"][wildcards.build]
+    texts = {}
+    prune_spec = build.get("prune") or {}
+    if prune_spec and prune_methods.get(prune_spec["method"], f"builds.{wildcards.build}.prune.method").calibrated:
+        texts["calibration"] = prune_spec["calibration"]["file"] or f"{ORGANISM_DATA}/corpus.jsonl"
+    quantize_calibration = (build.get("quantize") or {}).get("calibration")
+    if quantize_calibration:
+        texts["quantize_calibration"] = quantize_calibration["file"] or f"{ORGANISM_DATA}/corpus.jsonl"
+    return texts
+
+
+def build_encoder_tables(wildcards):
+    """The tables a build's format's encoder loads (TWX v2's), written once per run for every job that encodes."""
+    spec = config["builds"][wildcards.build].get("quantize") or {}
+    names = expert_formats.get(spec["format"], f"builds.{wildcards.build}.quantize.format").encoder_tables() if spec else []
+    return {"encoder_tables": [f"results/{wildcards.run}/formats/{name}" for name in names]} if names else {}
 
 
 def eval_builds(eval_id):

@@ -4,9 +4,31 @@
 # served first and every other build's agreement has its passages when that build is served.
 
 
+rule encoder_table:
+    output:
+        table="results/{run}/formats/{table}-{bits}bit.safetensors",
+    wildcard_constraints:
+        table=r"[a-z0-9_]+",
+        bits=r"\d+",
+    log:
+        "logs/{run}/formats/{table}-{bits}bit.log",
+    benchmark:
+        "benchmarks/{run}/formats/{table}-{bits}bit.tsv"
+    priority: before_every_build
+    resources:
+        **CPU_JOB,
+        mem_mb=4000,
+        runtime=60,
+    conda:
+        "../envs/compress.yaml"
+    script:
+        "../scripts/encoder_table.py"
+
+
 rule build_plan:
     input:
         unpack(build_calibration),
+        unpack(build_encoder_tables),
         manifest="results/{run}/upstream/manifest.json",
     output:
         plan="results/{run}/builds/{build}/plan.json",
@@ -29,6 +51,7 @@ rule build_plan:
 
 rule build_shard:
     input:
+        unpack(build_encoder_tables),
         manifest="results/{run}/upstream/manifest.json",
         plan="results/{run}/builds/{build}/plan.json",
     output:

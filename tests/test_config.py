@@ -90,6 +90,10 @@ def test_out_of_range_and_bad_enum(default_config):
      "builds.twx2_5.quantize.max_bits_per_weight: twx3 stores at least 3.25 bits per weight, more than 3"),
     ({"format": "twx2.5", "max_bits_per_weight": 4.0},
      "builds.twx2_5.quantize.max_bits_per_weight: twx2.5 stores at most 3.25 bits per weight"),
+    ({"format": "twx3-v2", "calibration": {"file": None, "sequences": 4, "seq_len": 64}},
+     "builds.twx2_5.quantize.calibration: twx3-v2 has one code width, so it allocates no bits"),
+    ({"format": "twx2.5", "calibration": {"file": None, "sequences": 0, "seq_len": 64}},
+     "builds.twx2_5.quantize.calibration.sequences: 0 is less than the minimum of 1"),
 ])
 def test_an_expert_format_and_budget_the_registry_cannot_keep(default_config, quantize, problem):
     config = copy.deepcopy(default_config)
@@ -234,3 +238,22 @@ def test_no_module_or_rule_keeps_a_second_default_for_a_schema_key():
     offenders = [f"{path.relative_to(root)}: .get({name!r}, ...)" for path in sources for name in names
                  if re.search(rf"""\.get\(["']{name}["'],""", path.read_text())]
     assert not offenders, offenders
+
+
+def test_a_v2_build_reads_the_encoder_tables_its_run_writes_once():
+    """TWX v2's encoder table: one job per code width for the whole run, an input of every plan and shard
+    job of a v2 build at the widths its format uses, and of no v1 build's."""
+    result = snakemake_dry_run("--forceall", "--configfile", str(ROOT / "bench" / "twx_v2_builds.yaml"),
+                               target="report/r013.html")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(re.findall(r"rule encoder_table:", result.stdout)) == 2
+    tables = {"twx3_v2": {"twx_vq-3bit"}, "twx2_5_v2": {"twx_vq-2bit", "twx_vq-3bit"}, "twx3": set(), "twx2_5": set()}
+    seen = set()
+    for job in re.split(r"\n\s*\[[^\]]+\]\n", result.stdout):
+        rule = re.search(r"rule (build_plan|build_shard):", job)
+        output = re.search(r"output: results/organism/builds/(\w+)/", job)
+        if rule and output and output[1] in tables:
+            inputs = re.search(r"input: (.*)", job)[1]
+            assert set(re.findall(r"formats/(twx_vq-\dbit)\.safetensors", inputs)) == tables[output[1]], job
+            seen.add(output[1])
+    assert seen == set(tables)

@@ -69,9 +69,9 @@ def test_prune_then_quantize(published, tmp_path):
     assert set(plan["quantize"]["expert_bits"][str(plan["moe_layers"][0])]) == {str(e) for e in range(8)}
 
 
-def test_allocation_keeps_the_budget_and_prefers_large_experts():
-    norms = {1: {0: 5.0, 1: 1.0, 2: 3.0, 3: 0.5}, 2: {0: 4.0, 1: 0.1, 2: 0.2, 3: 6.0}}
-    bits = allocate_bits(norms, relative_gain=0.08, max_bits=2.75, fmt=expert_formats.get("twx2.5", "test"))
+def test_allocation_keeps_the_budget_and_widens_the_experts_that_gain_most():
+    gains = {1: {0: 5.0, 1: 1.0, 2: 3.0, 3: 0.5}, 2: {0: 4.0, 1: 0.1, 2: 0.2, 3: 6.0}}
+    bits = allocate_bits(gains, max_bits=2.75, fmt=expert_formats.get("twx2.5", "test"))
     flat = [b for layer in bits.values() for b in layer.values()]
     assert sum(twx.bits_per_weight(b) for b in flat) / len(flat) <= 2.75
     assert {(layer, e) for layer in bits for e in bits[layer] if bits[layer][e] == 3} == {(2, 3), (1, 0), (2, 0), (1, 2)}

@@ -101,6 +101,14 @@ def test_quantization_config_names_version_codebook_and_tensors():
     assert cfg["tensors"] == {"codes": "tw2_codes", "scales": "tw2_scales"}
 
 
+def plain_search_encode(weight: torch.Tensor, bits: int, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder with its table search deciding no block: every block through the plain search."""
+    monkeypatch.setattr(twx_vq, "_table_search", lambda blocks, amax, bits: (
+        torch.zeros(blocks.shape[0], dtype=torch.int64), torch.zeros(blocks.shape[0], 8, dtype=torch.int64),
+        torch.zeros(blocks.shape[0], dtype=torch.bool)))
+    return twx_vq.encode(weight, bits)
+
+
 @pytest.mark.parametrize("bits", [2, 3])
 def test_the_table_search_chooses_what_the_plain_search_chooses(bits, monkeypatch):
     """MXFP4 blocks go through the per-process table of (4-vector, scale row) pairs, anything else
@@ -110,11 +118,54 @@ def test_the_table_search_chooses_what_the_plain_search_chooses(bits, monkeypatc
     weight = mxfp4.quantize_values(torch.randn(48, 256, generator=generator) * 0.02)
     weight[5] = torch.randn(256, generator=generator) * 0.02
     weight[6] = 0.0
-    _, _, decided = twx_vq._table_search(weight.reshape(-1, 32), bits)
+    blocks = weight.reshape(-1, 32)
+    _, _, decided = twx_vq._table_search(blocks, blocks.abs().amax(dim=1), bits)
     assert decided.reshape(48, -1).all(dim=1).sum() == 46 and not decided.reshape(48, -1)[5:7].any()
     fast = twx_vq.encode(weight, bits)
-    monkeypatch.setattr(twx_vq, "_table_search", lambda blocks, bits: (
-        torch.zeros(blocks.shape[0], dtype=torch.int64), torch.zeros(blocks.shape[0], 8, dtype=torch.int64),
-        torch.zeros(blocks.shape[0], dtype=torch.bool)))
-    plain = twx_vq.encode(weight, bits)
+    plain = plain_search_encode(weight, bits, monkeypatch)
     assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
+
+
+def test_an_encoder_table_on_disk_makes_the_plain_search_s_choices_and_covers_every_mxfp4_block(tmp_path, monkeypatch):
+    """The table a run writes once: loaded in a fresh process, it answers every MXFP4 block at any
+    power-of-two scale without a search, with the plain search's bytes. 2 bits: the 3-bit table
+    takes about 11 s to write."""
+    bits, table = 2, tmp_path / "twx_vq-2bit.safetensors"
+    monkeypatch.setattr(twx_vq, "_PAIRS", {})
+    monkeypatch.setattr(twx_vq, "_DENSE", {})
+    written = twx_vq.write_encoder_table(bits, table)
+    assert written["bits"] == "2" and written["codebook_sha256"] == twx_vq.codebook_sha256() and "isa" in written
+    monkeypatch.setattr(twx_vq, "_PAIRS", {})
+    monkeypatch.setattr(twx_vq, "_DENSE", {})
+    assert twx_vq.load_encoder_table(table) == bits
+    pairs = twx_vq._PAIRS[bits].keys.size
+    assert pairs == written["pairs"]
+    generator = torch.Generator().manual_seed(30)
+    weight = mxfp4.quantize_values(torch.randn(64, 256, generator=generator)
+                                   * torch.logspace(-6, 1, 64, base=2)[:, None])
+    weight[3, :32] = torch.tensor([6.0, -0.0, 0.5, -4.0] * 8) * 2.0 ** -9  # -0.0 and a block at full range
+    loaded = twx_vq.encode(weight, bits)
+    assert twx_vq._PAIRS[bits].keys.size == pairs and bits in twx_vq._DENSE, "an MXFP4 block made a pair the table lacks"
+    plain = plain_search_encode(weight, bits, monkeypatch)
+    assert torch.equal(loaded[0], plain[0]) and torch.equal(loaded[1], plain[1])
+
+
+def test_an_encoder_table_for_other_codebooks_or_damaged_is_refused_by_name(tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    table = tmp_path / "twx_vq-2bit.safetensors"
+    monkeypatch.setattr(twx_vq, "_PAIRS", {})
+    monkeypatch.setattr(twx_vq, "_DENSE", {})
+    twx_vq.write_encoder_table(2, table)
+    with safe_open(str(table), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(table))
+    foreign = tmp_path / "foreign.safetensors"
+    save_file(tensors, str(foreign), {**metadata, "codebook_sha256": "0" * 64})
+    with pytest.raises(twx.TWXFormatError, match=r"foreign\.safetensors: not a TWX v2 encoder table .*codebook_sha256"):
+        twx_vq.load_encoder_table(foreign)
+    damaged = tmp_path / "damaged.safetensors"
+    save_file({**tensors, "keys": tensors["keys"].flip(0)}, str(damaged), metadata)
+    with pytest.raises(twx.TWXFormatError, match=r"damaged\.safetensors: .*sorted distinct keys"):
+        twx_vq.load_encoder_table(damaged)

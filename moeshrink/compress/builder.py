@@ -48,6 +48,20 @@ class BuildError(MoeshrinkError, ValueError):
     pass
 
 
+# the calibration forward, named as the prune methods name their scorers (it builds transformers' modules)
+OUTPUT_ERRORS = "moeshrink.compress.calibrated_bits:output_errors"
+
+
+def load_encoder_tables(build: dict, tables: list[Path]) -> None:
+    """Give the encoder of the build's format (a plan or a build's config: its `quantize.format`) the tables
+    the run wrote for it."""
+    if tables:
+        fmt = expert_formats.get((build.get("quantize") or {})["format"], "quantize.format")
+        for table in tables:
+            fmt.codec_module().load_encoder_table(table)
+            log.info("encoder table %s loaded", table)
+
+
 # ------------------------------------------------------------------------------------- planning
 def expert_weights(upstream: Path, adapter: Adapter, fmt: str, wanted=lambda ref: True
                    ) -> Iterator[tuple[ExpertTensor, torch.Tensor]]:
@@ -72,23 +86,49 @@ def expert_norms(upstream: Path, adapter: Adapter, fmt: str, kept: dict[int, lis
     return norms
 
 
-def allocate_bits(norms: dict[int, dict[int, float]], relative_gain: float, max_bits: float,
-                  fmt: ExpertFormat) -> dict[int, dict[int, int]]:
-    """A format of two or more code widths (TWX2.5): the widest codes for the experts whose error
-    would grow most at the narrowest (estimated as the expert's squared norm times the measured
-    relative-error gap), the narrowest for the rest, so that the average stays within `max_bits`.
-    All experts of a layer have equal size."""
+def allocate_bits(gains: dict[int, dict[int, float]], max_bits: float, fmt: ExpertFormat) -> dict[int, dict[int, int]]:
+    """A format of two or more code widths (TWX2.5): the widest codes for the experts whose error would
+    fall most from the narrowest code to the widest (`gains`, per layer and expert), the narrowest for
+    the rest, so that the average stays within `max_bits`. All experts of a layer have equal size."""
     narrow, wide = fmt.code_bits[0], fmt.code_bits[-1]
-    experts = [(layer, e) for layer in norms for e in norms[layer]]
+    experts = [(layer, e) for layer in gains for e in gains[layer]]
     step = fmt.bits_per_weight(wide) - fmt.bits_per_weight(narrow)
     budget = int((max_bits - fmt.bits_per_weight(narrow)) / step * len(experts) + 1e-9)
-    ranked = sorted(experts, key=lambda le: (-norms[le[0]][le[1]] * relative_gain, le))
+    ranked = sorted(experts, key=lambda le: (-gains[le[0]][le[1]], le))
     widened = set(ranked[:budget])
-    return {layer: {e: wide if (layer, e) in widened else narrow for e in norms[layer]} for layer in norms}
+    return {layer: {e: wide if (layer, e) in widened else narrow for e in gains[layer]} for layer in gains}
+
+
+def weight_error_gains(norms: dict[int, dict[int, float]], fmt: ExpertFormat
+                       ) -> tuple[dict[int, dict[int, float]], dict]:
+    """The calibration-free estimate of each expert's gain from the widest code: its squared norm
+    (`expert_norms`) times the format's relative-error gap on a fixed sample. Returns (gains, how they
+    were made)."""
+    gap = relative_error(fmt, fmt.code_bits[0]) - relative_error(fmt, fmt.code_bits[-1])
+    gains = {layer: {e: norm * gap for e, norm in experts.items()} for layer, experts in norms.items()}
+    return gains, {"rule": "squared norm x (relative error at the narrowest code - at the widest)",
+                   "relative_error_gap": gap, "squared_norms": _str_keys(norms)}
+
+
+def output_error_gains(upstream: Path, fmt: ExpertFormat, spec: dict, calibration_file: Path,
+                       kept: dict[int, list[int]]) -> tuple[dict[int, dict[int, float]], dict]:
+    """Each expert's measured output error at the narrowest code minus at the widest, on calibration
+    text (`calibrated_bits`). Returns (gains, how they were made)."""
+    measured = plugins.resolve(OUTPUT_ERRORS)(upstream, fmt, spec, calibration_file)
+    gains = {layer: {e: measured[layer]["squared_error"][e][0] - measured[layer]["squared_error"][e][-1]
+                     for e in experts} for layer, experts in kept.items()}
+    return gains, {"rule": "output error on calibration text: sum over an expert's routed tokens of "
+                           "|gate x (output with the narrowest code - exact output)|^2 / |residual stream|^2, "
+                           "minus the same at the widest code",
+                   "calibration": {**spec, "sha256": sha256_file(calibration_file)},
+                   "code_bits": list(fmt.code_bits), "output_squared_error": _str_keys(measured)}
 
 
 def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest: dict,
-              calibration_file: Path | None = None) -> dict:
+              calibration_file: Path | None = None, quantize_calibration_file: Path | None = None) -> dict:
+    """Which experts a build keeps and which code width each takes. `calibration_file`: the text a
+    calibrated prune method reads; `quantize_calibration_file`: the text output-aware bit allocation
+    reads (builds.<id>.quantize.calibration)."""
     config = read_json(upstream / "config.json")
     adapter = adapter_for(config)
     check_has_moe(config, adapter)
@@ -129,19 +169,23 @@ def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest:
             raise BuildError(problem)
         # expert_bits is keyed by the build's (compacted) expert index
         if len(expert_format.code_bits) == 1:
+            if spec.get("calibration"):
+                raise BuildError(f"builds.{build_id}.quantize.calibration: {expert_format.name} has one code width, "
+                                 "so it allocates no bits")
             bits = {layer: {new: expert_format.code_bits[0] for new in range(len(kept[layer]))} for layer in layers}
             plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits)}
         else:
-            norms = expert_norms(upstream, adapter, fmt, kept)
-            gain = (relative_error(expert_format, expert_format.code_bits[0])
-                    - relative_error(expert_format, expert_format.code_bits[-1]))
-            by_original = allocate_bits(norms, gain, max_bits, expert_format)
+            if spec.get("calibration"):
+                if quantize_calibration_file is None:
+                    raise BuildError(f"builds.{build_id}.quantize.calibration: no calibration file was given")
+                gains, sensitivity = output_error_gains(upstream, expert_format, spec["calibration"],
+                                                        quantize_calibration_file, kept)
+            else:
+                gains, sensitivity = weight_error_gains(expert_norms(upstream, adapter, fmt, kept), expert_format)
+            by_original = allocate_bits(gains, max_bits, expert_format)
             bits = {layer: {new: by_original[layer][old] for new, old in enumerate(kept[layer])} for layer in layers}
             plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits),
-                                "sensitivity": {"rule": "squared norm x (relative error at the narrowest code "
-                                                        "- at the widest)",
-                                                "relative_error_gap": gain,
-                                                "squared_norms": _str_keys(norms)}}
+                                "sensitivity": sensitivity}
     plan["num_experts_after"] = len(next(iter(kept.values())))
     plan["shards"] = sorted(set(index_of(upstream)["weight_map"].values()))
     return plan

@@ -1,4 +1,5 @@
-"""REAP saliency of routed experts from calibration text, one decoder layer at a time.
+"""REAP saliency of routed experts from calibration text, one decoder layer at a time, and that
+calibration forward (`layer_pass`) for other per-expert measures (`calibrated_bits`).
 
 For expert j of a MoE layer, over the calibration tokens X_j that route to it (j in the token's
 top-k): S_j = mean over x in X_j of g_j(x) * ||f_j(x)||_2, where g_j is the gate value renormalised
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -143,12 +145,11 @@ class SalienceMoE(nn.Module):
         self.saliency_sum = torch.zeros(experts, dtype=torch.float64)
         self.token_count = torch.zeros(experts, dtype=torch.int64)
 
-    def _expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        weights = {}
-        for projection in PROJECTIONS:
-            weights[projection] = self.reader.expert(self.adapter.expert_name(ExpertTensor(self.layer, expert,
-                                                                                           projection, "weight")))
-        return expert_mlp(x, torch.cat([weights["gate_proj"], weights["up_proj"]]), weights["down_proj"])
+    def expert_weights(self, expert: int) -> dict[str, torch.Tensor]:
+        """{projection: float32 weight} of one routed expert, decoded from its upstream encoding."""
+        return {projection: self.reader.expert(self.adapter.expert_name(ExpertTensor(self.layer, expert, projection,
+                                                                                     "weight")))
+                for projection in PROJECTIONS}
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(torch.float32)
@@ -157,17 +158,32 @@ class SalienceMoE(nn.Module):
         out = torch.zeros_like(flat)
         for expert in indices.unique().tolist():
             tokens, slot = torch.where(indices == expert)
-            y = self._expert_output(expert, flat[tokens])
+            weights = self.expert_weights(expert)
+            y = expert_output(flat[tokens], weights)
             out.index_add_(0, tokens, y * applied[tokens, slot, None])
-            self.saliency_sum[expert] += float((renormalised[tokens, slot] * y.norm(dim=-1)).double().sum())
-            self.token_count[expert] += len(tokens)
+            self.observe(expert, tokens, flat[tokens], y, weights, applied[tokens, slot], renormalised[tokens, slot])
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.reshape(hidden_states.shape).to(hidden_states.dtype)
 
+    def observe(self, expert: int, tokens: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                weights: dict[str, torch.Tensor], applied: torch.Tensor, renormalised: torch.Tensor) -> None:
+        """One expert's routed tokens (their rows of the layer's flattened batch, and their inputs x), its
+        output y and the gates: what a subclass measures."""
+        self.saliency_sum[expert] += float((renormalised * y.norm(dim=-1)).double().sum())
+        self.token_count[expert] += len(x)
+
     def saliency(self) -> torch.Tensor:
         return torch.where(self.token_count > 0, self.saliency_sum / self.token_count.clamp(min=1).double(),
                            torch.zeros_like(self.saliency_sum))
+
+    def result(self):
+        """What the layer pass returns for this layer."""
+        return self.saliency().tolist()
+
+
+def expert_output(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    return expert_mlp(x, torch.cat([weights["gate_proj"], weights["up_proj"]]), weights["down_proj"])
 
 
 # ------------------------------------------------------------------------------------ the forward
@@ -190,10 +206,28 @@ def _materialise(module: nn.Module, reader: ShardReader, prefix: str, skip: set[
         raise CheckpointError(f"{reader.folder}: tensors missing under {prefix}: {', '.join(sorted(missing)[:8])}")
 
 
-@torch.no_grad()
 def layer_saliency(upstream: Path, token_ids: torch.Tensor, threads: int | None = None,
                    return_hidden: bool = False) -> dict:
-    """{moe layer: saliency per expert} (and, for tests, the final normed hidden states)."""
+    """{"saliency": {moe layer: saliency per expert}} (and, for tests, the final normed hidden states)."""
+    result = layer_pass(upstream, token_ids, SalienceMoE, threads, return_hidden)
+    result["saliency"] = result.pop("layers")
+    return result
+
+
+def _keep_residual(block: SalienceMoE) -> Callable:
+    """A pre-hook on the norm before a MoE block: the block may read the residual stream it normalises
+    (`block.residual`, flattened like the block's own input)."""
+    def keep(module, args) -> None:
+        block.residual = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
+    return keep
+
+
+@torch.no_grad()
+def layer_pass(upstream: Path, token_ids: torch.Tensor, observer: Callable[..., SalienceMoE] = SalienceMoE,
+               threads: int | None = None, return_hidden: bool = False) -> dict:
+    """The calibration forward, one decoder layer at a time, with `observer` (called as SalienceMoE is)
+    standing in for every MoE block: {"layers": {moe layer: its observer's result()}} (and, for tests,
+    the final normed hidden states)."""
     if threads:
         torch.set_num_threads(threads)
     config = read_json(upstream / "config.json")
@@ -207,7 +241,7 @@ def layer_saliency(upstream: Path, token_ids: torch.Tensor, threads: int | None 
     hidden = F.embedding(token_ids, reader.tensor("model.embed_tokens.weight"))
     positions = torch.arange(token_ids.shape[1]).unsqueeze(0).expand(token_ids.shape[0], -1)
     position_embeddings = rotary(hidden, positions)
-    saliency: dict[int, list[float]] = {}
+    results: dict[int, object] = {}
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}."
         skip = {n for n in reader.names_under(prefix) if adapter.parse_expert(n) or adapter.router_layer(n) is not None}
@@ -226,16 +260,17 @@ def layer_saliency(upstream: Path, token_ids: torch.Tensor, threads: int | None 
                 shared.load_state_dict({n[len(shared_prefix):]: reader.tensor(n) for n in reader.names_under(shared_prefix)},
                                        assign=True)
                 shared_module = shared
-            layer.mlp = SalienceMoE(reader, adapter, config, index, shared_module)
+            layer.mlp = observer(reader, adapter, config, index, shared_module)
+            layer.post_attention_layernorm.register_forward_pre_hook(_keep_residual(layer.mlp))
         hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         if index in moe_layers:
-            saliency[index] = layer.mlp.saliency().tolist()
+            results[index] = layer.mlp.result()
             log.info("layer %d: tokens per expert min %d max %d", index, int(layer.mlp.token_count.min()),
                      int(layer.mlp.token_count.max()))
         model.model.layers[index] = nn.Identity()  # free the layer before the next one is built
-    result: dict = {"saliency": saliency}
+    result: dict = {"layers": results}
     if return_hidden:
         norm = model.model.norm
         _materialise(norm, reader, "model.norm.", set())

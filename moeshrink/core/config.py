@@ -88,7 +88,7 @@ def semantic_problems(config: dict) -> list[str]:
             if step in build and build_id == config["reference_build"]:
                 problems.append(f"builds.{build_id}.{step}: the reference build must be the upstream as published")
         problems += prune_problems(build_id, build.get("prune"), config["upstream"]["source"])
-        problems += quantize_problems(build_id, build.get("quantize"))
+        problems += quantize_problems(build_id, build.get("quantize"), config["upstream"]["source"])
     gsm8k = config["evals"].get("gsm8k")
     if gsm8k:
         for build_id in gsm8k["builds"] or []:
@@ -174,8 +174,9 @@ def prune_problems(build_id: str, prune_spec: dict | None, source: str) -> list[
     return []
 
 
-def quantize_problems(build_id: str, quantize_spec: dict | None) -> list[str]:
-    """A build's expert format must be registered, and its bit budget one the format can keep."""
+def quantize_problems(build_id: str, quantize_spec: dict | None, source: str) -> list[str]:
+    """A build's expert format must be registered, its bit budget one the format can keep, and calibration
+    text given only to a format that allocates bits."""
     if not quantize_spec:
         return []
     expert_format, unknown = _registered(expert_formats.get, quantize_spec["format"],
@@ -185,7 +186,15 @@ def quantize_problems(build_id: str, quantize_spec: dict | None) -> list[str]:
     budget = quantize_spec.get("max_bits_per_weight")
     problem = budget is not None and expert_format.budget_problem(
         budget, f"builds.{build_id}.quantize.max_bits_per_weight")
-    return [problem] if problem else []
+    problems = [problem] if problem else []
+    calibration = quantize_spec.get("calibration")
+    if calibration is not None and len(expert_format.code_bits) < 2:
+        problems.append(f"builds.{build_id}.quantize.calibration: {expert_format.name} has one code width, so it "
+                        "allocates no bits")
+    elif calibration is not None and calibration["file"] is None and source != "organism":
+        problems.append(f"builds.{build_id}.quantize.calibration.file: required unless upstream.source is organism "
+                        "(whose corpus is the default)")
+    return problems
 
 
 def fill_defaults(config: dict, schema: dict) -> None:

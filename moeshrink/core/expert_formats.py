@@ -34,6 +34,9 @@ class ExpertFormat:
     codes_suffix: str           # the tensor-name suffixes that replace an expert weight's `weight`
     scales_suffix: str
     codec: str                  # the module that encodes and decodes (imports torch)
+    # the stem of the tables the encoder loads, one per code width, that a run writes once under
+    # results/<run>/formats/ (codec.write_encoder_table, codec.load_encoder_table); None: it keeps none
+    encoder_table: str | None = None
 
     def bits_per_weight(self, bits: int) -> float:
         """One code width's bits per weight, its block scale included."""
@@ -56,6 +59,10 @@ class ExpertFormat:
         """(name, safetensors dtype, shape) of the tensors replacing the weight `<stem>.weight` [rows, inputs]."""
         return [(f"{stem}.{self.codes_suffix}", "U8", (rows, int(inputs * bits / 8))),
                 (f"{stem}.{self.scales_suffix}", "U8", (rows, inputs // self.group * self.scale_bits // 8))]
+
+    def encoder_tables(self) -> list[str]:
+        """The file names of its encoder's tables (under a run's `formats/` folder), one per code width."""
+        return [f"{self.encoder_table}-{bits}bit.safetensors" for bits in self.code_bits] if self.encoder_table else []
 
     def codec_module(self) -> ModuleType:
         return importlib.import_module(self.codec)

@@ -17,17 +17,21 @@ moeshrink.formats.twx_vq --out FILE`; its float sums may differ in the last bits
 the committed file, not a rerun, is the constant). The encoder tries 9 scales per block, 1/8 octave
 apart around the block's absolute maximum over the codebook's, each with every 4-vector's nearest
 codeword, and keeps the scale with the least squared error. MXFP4 blocks make few distinct 4-vectors
-once divided by their power of two, so each distinct one is searched once per process (`_table_search`).
+once divided by their power of two, so each (4-vector, scale row) pair is searched once: a workflow run
+writes that table once per code width (`write_encoder_table`) and every job that encodes loads it
+(`load_encoder_table`); a process without it searches each pair as it first comes (`_table_search`).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from moeshrink.core.ioutil import atomic_path, sha256_file
@@ -43,8 +47,6 @@ from moeshrink.formats.twx import (
     decode_scales,
     nearest_scale_bytes,
     non_finite,
-    pack_codes,
-    unpack_codes,
 )
 
 FORMAT_VERSION = 2
@@ -95,6 +97,15 @@ def _candidate_bytes(amax: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
     return (base[:, None] + _STEPS[None, :]).clamp(0, 255)
 
 
+def _block_sum(distance: torch.Tensor) -> torch.Tensor:
+    """[n, 8] -> [n]: a block's squared distances added in index order, as F.embedding_bag adds them
+    (the table search's sums), so that both searches compare the same float32 errors on any CPU."""
+    total = distance[:, 0].clone()
+    for column in range(1, distance.shape[1]):
+        total += distance[:, column]
+    return total
+
+
 def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks float32 [n, 32] -> (scale bytes int64 [n], indices int64 [n, 8]): every block, any values."""
     norms = book.square().sum(dim=1)
@@ -106,7 +117,7 @@ def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, tor
         candidate = candidates[:, step]
         scale = decode_scales(candidate)
         index, distance = _nearest((blocks / scale[:, None]).reshape(-1, DIM), book, norms)
-        error = distance.reshape(blocks.shape[0], -1).sum(dim=1) * scale.square()
+        error = _block_sum(distance.reshape(blocks.shape[0], -1)) * scale.square()
         better = error < best_error
         best_error = torch.where(better, error, best_error)
         best_bytes = torch.where(better, candidate, best_bytes)
@@ -115,11 +126,17 @@ def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @cache
-def _relative_scales(bits: int) -> torch.Tensor:
-    """[8, steps]: the candidate scales of a block whose absolute maximum is 0.5 * (1 + m / 8) (row m);
-    a block whose maximum is that times 2**e has these times 2**e (checked per block)."""
+def _relative_candidates(bits: int) -> np.ndarray:
+    """[8, steps] int64: the candidate scale bytes of a block whose absolute maximum is 0.5 * (1 + m / 8)
+    (row m). A block whose maximum is that times 2**e has these plus 8 e, as long as they stay within
+    0..255: UE5M3 has no subnormals, so a byte 8 higher is exactly twice the scale."""
     maxima = torch.tensor([0.5 * (1 + m / 8) for m in range(8)], dtype=torch.float32)
-    return decode_scales(_candidate_bytes(maxima, codebooks()[bits]))
+    return _candidate_bytes(maxima, codebooks()[bits]).numpy()
+
+
+def _relative_scales(bits: int) -> torch.Tensor:
+    """[8, steps]: the scales of `_relative_candidates`."""
+    return decode_scales(torch.from_numpy(_relative_candidates(bits)))
 
 
 class _PairCache:
@@ -161,55 +178,201 @@ class _PairCache:
 _PAIRS: dict[int, _PairCache] = {}
 
 
-def _table_search(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_search` for blocks whose values, divided by the power of two just above their maximum, have
-    at most 3 mantissa bits (every MXFP4 block). Such a block's 4-vectors are 48-bit keys, its candidate
-    scales divided by that power of two one of 8 rows, and dividing both by a power of two leaves every
-    quotient's float32 rounding as it is: so each (vector, row) is searched once per process, at every
-    scale, and the choices are `_search`'s. Returns (scale bytes [n], indices [n, 8], decided [n]); an
-    undecided block (off the table) has garbage in the first two."""
+class _DenseTable:
+    """A loaded table's MXFP4 pairs, addressed directly: the 12-bit keys of an MXFP4 block's values over
+    its power of two are 16 (+-0, 1/16 .. 3/4), so a 4-vector is a 16-bit number and a pair (row, vector)
+    one of 8 x 65,536 slots. Same rows as the table it was made from."""
+
+    VALUES = np.concatenate([mxfp4.E2M1_VALUES.numpy(), -mxfp4.E2M1_VALUES.numpy()]).astype(np.float32) / 8
+    VALUE_ID = np.full(1 << 12, 255, np.uint8)
+    VALUE_ID[VALUES.view(np.uint32) >> _KEY_SHIFT] = np.arange(VALUES.size)
+    SLOTS = 8 << 16
+
+    def __init__(self, pairs: _PairCache) -> None:
+        fields = np.stack([(pairs.keys >> shift) & ((1 << 12) - 1) for shift in _FIELD_SHIFTS], axis=1)
+        ids = self.VALUE_ID[fields]
+        on_slots = (ids != 255).all(axis=1)
+        slot = self.slots(pairs.keys[on_slots] & 7, ids[on_slots])
+        self.present = np.zeros(self.SLOTS, bool)
+        self.present[slot] = True
+        self.index = torch.zeros(self.SLOTS, len(SEARCH_STEPS), dtype=torch.int16)
+        self.distance = torch.zeros(self.SLOTS, len(SEARCH_STEPS), dtype=torch.float32)
+        self.index[torch.from_numpy(slot)] = pairs.index[torch.from_numpy(on_slots)].to(torch.int16)
+        self.distance[torch.from_numpy(slot)] = pairs.distance[torch.from_numpy(on_slots)]
+
+    @staticmethod
+    def slots(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """row [...], value ids [..., 4] -> slot numbers [...]."""
+        ids = ids.astype(np.int64)
+        return (row << 16) | (ids[..., 0] << 12) | (ids[..., 1] << 8) | (ids[..., 2] << 4) | ids[..., 3]
+
+    def lookup(self, row: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, Callable] | None:
+        """row [r], keys [r, 32] -> (each 4-vector's row of the next [r, 8], distances [*, steps], the
+        indices [r, 8] at given steps [r]), or None when a pair is off the table."""
+        ids = np.take(self.VALUE_ID, keys)
+        if (ids == 255).any():
+            return None
+        slot = self.slots(row[:, None], ids.reshape(row.size, GROUP // DIM, DIM))
+        if not self.present[slot].all():
+            return None
+        where = torch.from_numpy(slot)
+        flat_index, steps = self.index.reshape(-1), self.distance.shape[1]
+
+        def indices_at(best: torch.Tensor) -> torch.Tensor:
+            return flat_index.index_select(0, (where * steps + best[:, None]).reshape(-1)).reshape(where.shape).long()
+
+        return where, self.distance, indices_at
+
+
+_DENSE: dict[int, _DenseTable] = {}
+
+
+# ------------------------------------------------------------------ the encoder's table, kept on disk
+def _mxfp4_blocks() -> torch.Tensor:
+    """One block per (largest magnitude, first 4-vector) an MXFP4 block can have, with its power-of-two
+    scale 1: their first 4-vectors make every table key an MXFP4 block makes (a block at another scale
+    makes the same keys, and a smaller maximum a subset of a larger one's keys at the same row)."""
+    values = torch.cat([mxfp4.E2M1_VALUES, -mxfp4.E2M1_VALUES])  # -0.0 is a code of its own
+    blocks = []
+    for maximum in mxfp4.E2M1_VALUES[mxfp4.E2M1_VALUES > 0]:
+        allowed = values[values.abs() <= maximum]
+        vectors = torch.cartesian_prod(*[allowed] * DIM)
+        block = torch.zeros(vectors.shape[0], GROUP)
+        block[:, :DIM], block[:, DIM] = vectors, maximum
+        blocks.append(block)
+    return torch.cat(blocks)
+
+
+def write_encoder_table(bits: int, path: Path) -> dict:
+    """Search every (4-vector, row) an MXFP4 block can make at this code width and write the table, so
+    that an encoding process loads it (`load_encoder_table`) instead of searching as it goes; this
+    process keeps it too. The table holds this CPU's float32 choices; a process that loads it makes
+    them on any CPU."""
+    from safetensors.torch import save_file
+
+    from moeshrink.core.machine import cpu_isa, cpu_model
+
+    _DENSE.pop(bits, None)
+    _PAIRS[bits] = _PairCache(bits)
+    blocks = _mxfp4_blocks()
+    for start in range(0, blocks.shape[0], 1 << 14):
+        part = blocks[start:start + (1 << 14)]
+        _, _, decided = _table_search(part, part.abs().amax(dim=1), bits)
+        if not bool(decided.all()):
+            raise TWXFormatError(f"TWX v2 encoder table: an MXFP4 block fell off the {bits}-bit table")
+    pairs = _PAIRS[bits]
+    _DENSE[bits] = _DenseTable(pairs)
+    metadata = {"format_version": str(FORMAT_VERSION), "bits": str(bits), "codebook_sha256": codebook_sha256(),
+                "search_steps": ",".join(map(str, SEARCH_STEPS)), "cpu": cpu_model(), "isa": " ".join(cpu_isa())}
+    with atomic_path(path) as tmp:
+        save_file({"keys": torch.from_numpy(pairs.keys), "index": pairs.index.to(torch.int16),
+                   "distance": pairs.distance}, str(tmp), metadata)
+    return {"path": str(path), "pairs": int(pairs.keys.size), **metadata}
+
+
+def forget_encoder_tables() -> None:
+    """Empty this process's tables (a bench times a fresh process's encoder)."""
+    _PAIRS.clear()
+    _DENSE.clear()
+
+
+def load_encoder_table(path: Path) -> int:
+    """Make a table `write_encoder_table` wrote this process's (pairs it lacks are still searched as they
+    come). Returns the code width; a table made for other codebooks or another search is refused."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+        expected = {"format_version": str(FORMAT_VERSION), "codebook_sha256": codebook_sha256(),
+                    "search_steps": ",".join(map(str, SEARCH_STEPS))}
+        wrong = [key for key, value in expected.items() if metadata.get(key) != value]
+        if wrong or metadata.get("bits") not in {str(b) for b in ENTRIES}:
+            raise TWXFormatError(f"{path}: not a TWX v2 encoder table for this encoder ({', '.join(wrong or ['bits'])} "
+                                 "differ); delete it and let the workflow write it again")
+        bits = int(metadata["bits"])
+        keys, index, distance = (f.get_tensor(name) for name in ("keys", "index", "distance"))
+    pairs = _PairCache(bits)
+    pairs.keys, pairs.index, pairs.distance = keys.numpy(), index.to(torch.int64), distance
+    steps = len(SEARCH_STEPS)
+    if (keys.dim() != 1 or tuple(index.shape) != (keys.shape[0], steps) or tuple(distance.shape) != index.shape
+            or not bool((keys[1:] > keys[:-1]).all()) or not bool(((index >= 0) & (index < ENTRIES[bits])).all())):
+        raise TWXFormatError(f"{path}: a TWX v2 encoder table needs sorted distinct keys and [keys, {steps}] "
+                             f"indices below {ENTRIES[bits]} and distances")
+    _PAIRS[bits] = pairs
+    _DENSE[bits] = _DenseTable(pairs)
+    return bits
+
+
+def _table_search(blocks: torch.Tensor, amax: torch.Tensor, bits: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_search` for blocks (absolute maxima `amax`) whose values, divided by the power of two just above
+    their maximum, have at most 3 mantissa bits (every MXFP4 block). Such a block's 4-vectors are 48-bit
+    keys, its candidate scales that power of two times one of 8 rows (`_relative_candidates`), and
+    dividing both by a power of two leaves every quotient's float32 rounding, and every error's up to
+    that power's square, as it is: so each (vector, row) is searched once, at every scale, and the
+    choices are `_search`'s. Returns (scale bytes [n], indices [n, 8], decided [n]); an undecided block
+    (off the table) has garbage in the first two."""
     n = blocks.shape[0]
-    amax = blocks.abs().amax(dim=1)
-    candidates = _candidate_bytes(amax, codebooks()[bits])
-    scales = decode_scales(candidates)  # [n, steps]
     amax_mantissa, amax_octave = np.frexp(amax.numpy())
     row = ((amax_mantissa.astype(np.float32).view(np.uint32) >> _KEY_SHIFT) & 7).astype(np.int64)
+    relative = _relative_candidates(bits)
+    offset = 8 * amax_octave.astype(np.int64)
     raw = np.ldexp(blocks.numpy(), -amax_octave[:, None]).view(np.uint32)
-    keys = np.right_shift(raw, _KEY_SHIFT).astype(np.int64)  # [n, 32], 12 bits each
-    fits = (amax_mantissa > 0) & ~(raw & ((1 << _KEY_SHIFT) - 1)).any(axis=1) & np.take(_KEY_VALID, keys).all(axis=1)
-    fits &= (np.ldexp(_relative_scales(bits).numpy()[row], amax_octave[:, None]) == scales.numpy()).all(axis=1)
+    keys = np.right_shift(raw, _KEY_SHIFT)  # [n, 32], 12 bits each
+    fits = (amax_mantissa > 0) & (relative[row, 0] + offset >= 0) & (relative[row, -1] + offset <= 255)
+    fits &= ~(raw & ((1 << _KEY_SHIFT) - 1)).any(axis=1)
     rows = np.flatnonzero(fits)
+    if rows.size < n:
+        keys = keys[rows]
+    found = _DENSE[bits].lookup(row[rows], keys) if bits in _DENSE and rows.size else None
+    if found is None:
+        valid = np.take(_KEY_VALID, keys).all(axis=1)
+        rows, keys = rows[valid], keys[valid]
+        found = _sparse_lookup(bits, row[rows], keys)
+    bags, distance, indices_at = found  # bags [r, 8] of rows of distance [*, steps]
     decided = torch.zeros(n, dtype=torch.bool)
     chosen_bytes = torch.zeros(n, dtype=torch.int64)
     index = torch.zeros(n, GROUP // DIM, dtype=torch.int64)
-    if rows.size == 0:
-        return chosen_bytes, index, decided
-    vector_keys = keys[rows].reshape(rows.size, GROUP // DIM, DIM)
-    pair_keys = row[rows, None]
+    if rows.size:
+        rows_t, row_t = torch.from_numpy(rows), torch.from_numpy(row[rows])
+        error = F.embedding_bag(bags, distance, mode="sum") * _relative_scales(bits)[row_t].square()
+        best = error.argmin(dim=1)
+        chosen_bytes[rows_t] = torch.from_numpy(relative)[row_t, best] + torch.from_numpy(offset[rows])
+        index[rows_t] = indices_at(best)
+        decided[rows_t] = True
+    return chosen_bytes, index, decided
+
+
+def _sparse_lookup(bits: int, row: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """`_DenseTable.lookup` through this process's `_PairCache`, which searches the pairs it lacks."""
+    vector_keys = keys.astype(np.int64).reshape(row.size, GROUP // DIM, DIM)
+    pair_keys = row[:, None]
     for d, shift in enumerate(_FIELD_SHIFTS):
         pair_keys = pair_keys | (vector_keys[..., d] << shift)
     distinct, inverse_flat = np.unique(pair_keys.reshape(-1), return_inverse=True)
     nearest, distance = _PAIRS.setdefault(bits, _PairCache(bits)).lookup(distinct)
-    inverse = torch.from_numpy(inverse_flat.reshape(rows.size, GROUP // DIM))
-    rows_t = torch.from_numpy(rows)
-    error = distance[inverse].sum(dim=1) * scales[rows_t].square()  # [r, steps]: _search's float32 sums
-    best = error.argmin(dim=1)
-    chosen_bytes[rows_t] = candidates[rows_t, best]
-    index[rows_t] = nearest[inverse, best[:, None]]
-    decided[rows_t] = True
-    return chosen_bytes, index, decided
+    inverse = torch.from_numpy(inverse_flat.reshape(row.size, GROUP // DIM))
+    return inverse, distance, lambda best: nearest[inverse, best[:, None]]
 
 
-def _fields(index: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., K/4] indices -> [..., K] `bits`-bit fields, low field first (version 1's code order)."""
-    shifts = torch.arange(DIM, dtype=torch.int64) * bits
-    return ((index.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2).to(torch.uint8)
+def _pack(index: torch.Tensor, bits: int) -> torch.Tensor:
+    """indices [rows, K/4] -> codes uint8 [rows, K*bits/8]: the indices' 4*bits-bit fields as one
+    little-endian bit string per row (the same bytes as version 1's `pack_codes` of their bits)."""
+    if bits == 2:
+        return index.to(torch.uint8)
+    pairs = index.unflatten(-1, (-1, 2))
+    low, high = pairs[..., 0], pairs[..., 1]
+    return torch.stack([low & 255, (low >> 8) | ((high & 15) << 4), high >> 4], dim=-1).flatten(-2).to(torch.uint8)
 
 
-def _indices(fields: torch.Tensor, bits: int) -> torch.Tensor:
-    grouped = fields.to(torch.int64).unflatten(-1, (-1, DIM))
-    shifts = torch.arange(DIM, dtype=torch.int64) * bits
-    return (grouped << shifts).sum(dim=-1)
+def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`_pack` undone: codes uint8 [rows, K*bits/8] -> indices int64 [rows, K/4]."""
+    if bits == 2:
+        return codes.to(torch.int64)
+    triples = codes.to(torch.int64).unflatten(-1, (-1, 3))
+    low = triples[..., 0] | ((triples[..., 1] & 15) << 8)
+    high = (triples[..., 1] >> 4) | (triples[..., 2] << 4)
+    return torch.stack([low, high], dim=-1).flatten(-2)
 
 
 @torch.no_grad()
@@ -219,27 +382,28 @@ def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: in
     check_encodable(tuple(weight.shape), bits, ENTRIES, name, "TWX v2")
     book = codebooks()[bits]
     rows, k = weight.shape
-    fields = torch.empty(rows, k, dtype=torch.uint8)
+    codes = torch.empty(rows, k * bits // 8, dtype=torch.uint8)
     scale_bytes = torch.empty(rows, k // GROUP, dtype=torch.uint8)
     for first in range(0, rows, chunk_rows):
         part = weight[first:first + chunk_rows].to(torch.float32)
-        if not torch.isfinite(part).all():
-            raise non_finite(name, first * k + int((~torch.isfinite(part)).reshape(-1).nonzero()[0]), k)
         blocks = part.reshape(-1, GROUP)
-        chosen_bytes, index, decided = _table_search(blocks, bits)
+        amax = blocks.abs().amax(dim=1)  # not finite where a block holds a NaN or an infinity
+        if not torch.isfinite(amax).all():
+            raise non_finite(name, first * k + int((~torch.isfinite(part)).reshape(-1).nonzero()[0]), k)
+        chosen_bytes, index, decided = _table_search(blocks, amax, bits)
         if not bool(decided.all()):
             rest = torch.nonzero(~decided).squeeze(1)
             chosen_bytes[rest], index[rest] = _search(blocks[rest], book)
-        fields[first:first + part.shape[0]] = _fields(index.reshape(part.shape[0], -1), bits)
+        codes[first:first + part.shape[0]] = _pack(index.reshape(part.shape[0], -1), bits)
         scale_bytes[first:first + part.shape[0]] = chosen_bytes.reshape(part.shape[0], -1).to(torch.uint8)
-    return pack_codes(fields, bits), scale_bytes
+    return codes, scale_bytes
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
            name: str = "tensor") -> torch.Tensor:
     """The reference decoder: (codes, scales) -> [rows, K]; bits follow from the two shapes."""
     k, bits = checked_pair(codes, scales, ENTRIES, name, "TWX v2")
-    index = _indices(unpack_codes(codes, bits, k), bits)
+    index = _unpack(codes, bits)
     values = codebooks()[bits][index].reshape(codes.shape[0], k)
     return (values * decode_scales(scales).repeat_interleave(GROUP, dim=1)).to(dtype)
 
