@@ -140,8 +140,11 @@ def test_a_server_killed_mid_eval_fails_the_workflow_within_a_minute_naming_the_
     endpoint = copy / f"results/organism/serve/{BUILD}/endpoint.json"
     output = copy / "snakemake.out"
     with open(output, "w") as sink:
+        # --prioritize: the memory job first, so that the evals run after it on the same server; at equal
+        # priority Snakemake may run them first (it did once a rule was added to the Snakefile)
         process = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", str(memory.relative_to(copy)),
-                                    *[str(p.relative_to(copy)) for p in evals]], cwd=copy, stdout=sink,
+                                    *[str(p.relative_to(copy)) for p in evals],
+                                    "--prioritize", str(memory.relative_to(copy))], cwd=copy, stdout=sink,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 900
