@@ -22,8 +22,8 @@ SCALE_BIAS = 127
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 _MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
 # A byte's two values (low nibble first): the sign bit 3 of a code negates its magnitude, -0.0 included.
-_CODE_VALUES = torch.cat([E2M1_VALUES, -E2M1_VALUES])
-_BYTE_VALUES = torch.stack([_CODE_VALUES.repeat(16), _CODE_VALUES.repeat_interleave(16)], dim=-1).contiguous()
+CODE_VALUES = torch.cat([E2M1_VALUES, -E2M1_VALUES])
+_BYTE_VALUES = torch.stack([CODE_VALUES.repeat(16), CODE_VALUES.repeat_interleave(16)], dim=-1).contiguous()
 
 
 class MXFP4ShapeError(MoeshrinkError, ValueError):

@@ -183,7 +183,7 @@ class _DenseTable:
     its power of two are 16 (+-0, 1/16 .. 3/4), so a 4-vector is a 16-bit number and a pair (row, vector)
     one of 8 x 65,536 slots. Same rows as the table it was made from."""
 
-    VALUES = np.concatenate([mxfp4.E2M1_VALUES.numpy(), -mxfp4.E2M1_VALUES.numpy()]).astype(np.float32) / 8
+    VALUES = mxfp4.CODE_VALUES.numpy() / 8
     VALUE_ID = np.full(1 << 12, 255, np.uint8)
     VALUE_ID[VALUES.view(np.uint32) >> _KEY_SHIFT] = np.arange(VALUES.size)
     SLOTS = 8 << 16
@@ -232,7 +232,7 @@ def _mxfp4_blocks() -> torch.Tensor:
     """One block per (largest magnitude, first 4-vector) an MXFP4 block can have, with its power-of-two
     scale 1: their first 4-vectors make every table key an MXFP4 block makes (a block at another scale
     makes the same keys, and a smaller maximum a subset of a larger one's keys at the same row)."""
-    values = torch.cat([mxfp4.E2M1_VALUES, -mxfp4.E2M1_VALUES])  # -0.0 is a code of its own
+    values = mxfp4.CODE_VALUES  # -0.0 is a code of its own
     blocks = []
     for maximum in mxfp4.E2M1_VALUES[mxfp4.E2M1_VALUES > 0]:
         allowed = values[values.abs() <= maximum]
