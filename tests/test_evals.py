@@ -87,9 +87,28 @@ def test_identical_distributions_agree_fully_with_zero_kl():
     ids, lp = agreement.top_arrays(reply, 21)
     agree, kl = agreement.position_figures(ids, lp, ids, lp)
     assert agree.all() and np.allclose(kl, 0, atol=1e-12)
-    records = agreement.per_passage(["a", "b"], [21, 31], agree, kl)
-    figures = agreement.metrics(records, kl, 20)
+    records = agreement.per_passage(["a", "b"], [21, 31], agree, kl, agreement.decided_positions(lp, 0.1))
+    figures = agreement.metrics(records, kl, 20, 0.1)
     assert figures["positions"] == 50 and figures["top1_agreement"]["value"] == 1.0
+    assert figures["decided_top1_agreement"]["value"] == 1.0
+
+
+def test_tied_first_places_agree_and_undecided_positions_are_counted_apart():
+    """Row 0: the reference ties tokens 3 and 4, the build lists 4 first: agreement. Row 1: the build
+    ties 5 and 6 and lists 6 first, the reference ranks 5 first: agreement. Row 2: 7 against 8 at a
+    margin of 0.05 nats: no agreement, not decided. Row 3: 9 against 1 at 2 nats: no agreement, decided."""
+    ref_ids = np.array([[3, 4, 1], [5, 6, 1], [7, 8, 1], [9, 1, 2]])
+    ref_lp = np.array([[-1.0, -1.0, -3.0], [-0.5, -1.5, -3.0], [-1.0, -1.05, -3.0], [-0.1, -2.1, -4.0]])
+    ids = np.array([[4, 3, 1], [6, 5, 1], [8, 7, 1], [1, 9, 2]])
+    lp = np.array([[-0.9, -1.2, -3.0], [-0.7, -0.7, -3.0], [-1.0, -1.02, -3.0], [-0.3, -1.5, -4.0]])
+    agree, _ = agreement.position_figures(ref_ids, ref_lp, ids, lp)
+    assert agree.tolist() == [True, True, False, False]
+    decided = agreement.decided_positions(ref_lp, 0.1)
+    assert decided.tolist() == [False, True, False, True]
+    records = agreement.per_passage(["p"], [5], agree, np.zeros(4), decided)
+    figures = agreement.metrics(records, np.zeros(4), 3, 0.1)
+    assert figures["top1_agreement"]["value"] == 0.5
+    assert (figures["decided_top1_agreement"]["value"], figures["decided_top1_agreement"]["positions"]) == (0.5, 2)
 
 
 def test_reference_file_round_trips(tmp_path):

@@ -8,11 +8,12 @@ from moeshrink.compare.summary import SummaryError, run
 
 
 def compared(build: str, verdicts: dict[str, str], agreement: float | None = None, kl: float = 0.01,
-             drop: float = 1.0) -> dict:
+             drop: float = 1.0, decided: float | None = None) -> dict:
     evals = {eval_id: {"verdict": verdict, "verdict_reason": f"{verdict} because", "drop_points": drop}
              for eval_id, verdict in verdicts.items()}
     if agreement is not None:
-        evals["agreement"] = {"top1_agreement": {"value": agreement}, "mean_kl": {"value": kl}}
+        evals["agreement"] = {"top1_agreement": {"value": agreement}, "mean_kl": {"value": kl},
+                              "decided_top1_agreement": {"value": decided} if decided is not None else None}
     return {"a": "original", "b": build, "evals": evals}
 
 
@@ -60,3 +61,14 @@ def test_nothing_qualifies_and_nothing_judged(tmp_path):
 def test_a_comparison_of_another_build_is_refused(tmp_path):
     with pytest.raises(SummaryError, match=r"b.json: compares 'a' with 'original', not 'b'"):
         summarise(tmp_path, {"b": (compared("a", {"mmlu": "pass"}), 100)})
+
+
+def test_fidelity_ranks_by_agreement_where_the_reference_decides(tmp_path):
+    """All positions: twx2_5 agrees more (coin tosses where the reference hardly prefers a token);
+    where it decides, twx3 does: twx3 is the fidelity pick."""
+    summary = summarise(tmp_path, {
+        "twx3": (compared("twx3", {"mmlu": "pass"}, 0.947, 0.002, decided=0.995), 5000),
+        "twx2_5": (compared("twx2_5", {"mmlu": "pass"}, 0.949, 0.006, decided=0.990), 6000),
+    })
+    assert summary["fidelity"] == "twx3"
+    assert summary["builds"]["twx2_5"]["decided_top1_agreement"] == 0.990

@@ -402,6 +402,10 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
                 assert check["within_tolerance"] and check["relative_difference"] <= 0.05, (build, check)
                 if build != reference:
                     assert figures["mean_kl"]["value"] > 0
+                decided = figures["decided_top1_agreement"]
+                assert decided["positions"] == sum(r["decided_positions"] for r in records) <= figures["positions"]
+                assert decided["value"] == sum(r["decided_top1_agree"]
+                                               for r in records) / decided["positions"]
     html = (workdir / "report/organism/r013.html").read_text()
     section = html[html.index('id="quality"'):]
     assert all(config["builds"][b]["label"] in section for b in config["builds"])

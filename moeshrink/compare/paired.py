@@ -158,7 +158,8 @@ def agreement(b_result: dict) -> dict:
     metrics = b_result["metrics"]
     return {"against": b_result.get("compared_with") or b_result["build"], "positions": metrics["positions"],
             "passages": metrics["passages"], "top_k": metrics["top_k"],
-            "top1_agreement": metrics["top1_agreement"], "mean_kl": metrics["mean_kl"],
+            "top1_agreement": metrics["top1_agreement"],
+            "decided_top1_agreement": metrics.get("decided_top1_agreement"), "mean_kl": metrics["mean_kl"],
             "kl_percentiles": metrics.get("kl_percentiles"), "method": metrics["method"],
             "reference_read_twice": bool(b_result.get("reference"))}
 

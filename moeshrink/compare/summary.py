@@ -3,7 +3,9 @@ shows and never recomputes.
 
 A build qualifies when it passes the pass mark on every paired eval it ran ("cannot tell" is not a
 pass). For fidelity, the qualifying build with the highest next-word agreement with the reference
-(then the lowest drift; the smallest drop on the first paired eval where agreement did not run). For
+where the reference decides (then the lowest drift; the smallest drop on the first paired eval where
+agreement did not run): at positions where the reference hardly prefers its top token, top-1 agreement
+is a coin toss for every build and only blurs the ranking. For
 room, the qualifying build whose KV cache holds the most tokens per card. Ties go to the build listed
 first in config.
 """
@@ -18,8 +20,9 @@ from moeshrink.core.provenance import Provenance
 
 RULES = {
     "qualifies": "passes the pass mark on every paired eval it ran; a verdict of \"cannot tell\" is not a pass",
-    "fidelity": "the qualifying build with the highest next-word agreement with the reference, then the lowest "
-                "drift (mean KL); the smallest drop on the first paired eval where agreement did not run",
+    "fidelity": "the qualifying build with the highest next-word agreement with the reference where the reference "
+                "decides (its top token leads the runner-up by the decided margin), then the lowest drift (mean KL); "
+                "the smallest drop on the first paired eval where agreement did not run",
     "room": "the qualifying build whose KV cache holds the most tokens per card",
     "ties": "the build listed first in config",
 }
@@ -41,6 +44,7 @@ def build_summary(compared: dict, memory: dict) -> dict:
     return {
         "verdicts": verdicts, "passes": passes,
         "top1_agreement": agreement["top1_agreement"]["value"] if agreement else None,
+        "decided_top1_agreement": (agreement.get("decided_top1_agreement") or {}).get("value") if agreement else None,
         "mean_kl": agreement["mean_kl"]["value"] if agreement else None,
         "drop_points": first_paired["drop_points"] if first_paired else None,
         "kv_cache_tokens": memory["kv_cache_tokens"],
@@ -53,8 +57,11 @@ def choose(builds: dict[str, dict]) -> dict:
 
     def fidelity_key(build_id: str) -> tuple[float, float]:
         figures = builds[build_id]
-        if figures["top1_agreement"] is not None:
-            return (figures["top1_agreement"], -figures["mean_kl"])
+        agreement = figures.get("decided_top1_agreement")
+        if agreement is None:
+            agreement = figures["top1_agreement"]
+        if agreement is not None:
+            return (agreement, -figures["mean_kl"])
         return (-figures["drop_points"] if figures["drop_points"] is not None else float("-inf"), 0.0)
 
     return {

@@ -23,7 +23,9 @@ from moeshrink.evals.next_token import compare, logprob_table
 
 METHOD = ("KL(reference || build) over the reference's top-K next tokens that the build also returned, "
           "plus one bucket for the remaining probability mass of each side (a lower bound of the exact KL); "
-          "top-1 agreement: the build's most likely next token equals the reference's")
+          "top-1 agreement: the build's most likely next token equals the reference's (where several tokens tie "
+          "for most likely, on either side, any token both sides rank first); where the reference decides: the "
+          "same, over the positions whose most likely token leads the runner-up by at least the decided margin")
 PAD_ID = -1
 REST_FLOOR = 1e-12
 EXACT_TOLERANCE = 0.05
@@ -65,10 +67,27 @@ def top_arrays(replies: list[dict], width: int) -> tuple[np.ndarray, np.ndarray]
     return ids, logprobs
 
 
+def top1_agreement(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, lp: np.ndarray) -> np.ndarray:
+    """Per position: whether a token ranked first by the reference is ranked first by the build. Tied
+    first places count as one place: which of them a server lists first is arbitrary."""
+    agree = ref_ids[:, 0] == ids[:, 0]
+    tied = (ref_lp[:, 1] == ref_lp[:, 0]) | (lp[:, 1] == lp[:, 0])
+    for row in np.flatnonzero(tied & ~agree):
+        ref_first = set(ref_ids[row][ref_lp[row] == ref_lp[row, 0]].tolist())
+        agree[row] = bool(ref_first & set(ids[row][lp[row] == lp[row, 0]].tolist()))
+    return agree
+
+
+def decided_positions(ref_lp: np.ndarray, margin: float) -> np.ndarray:
+    """Per position: whether the reference's most likely token leads its runner-up by `margin` nats or
+    more. Below it the reference hardly prefers one token, and any perturbation flips its top-1."""
+    return ref_lp[:, 0] - ref_lp[:, 1] >= margin
+
+
 def position_figures(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, lp: np.ndarray) -> tuple[np.ndarray,
                                                                                                         np.ndarray]:
     """Per position: top-1 agreement (bool) and the coarse-grained KL estimate."""
-    agree = ref_ids[:, 0] == ids[:, 0]
+    agree = top1_agreement(ref_ids, ref_lp, ids, lp)
     kl = np.empty(len(ref_ids))
     for row in range(len(ref_ids)):
         build = {int(t): float(v) for t, v in zip(ids[row], lp[row]) if t != PAD_ID}
@@ -87,26 +106,37 @@ def position_figures(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, l
     return agree, kl
 
 
-def per_passage(passage_ids: list[str], lengths: list[int], agree: np.ndarray, kl: np.ndarray) -> list[dict]:
+def per_passage(passage_ids: list[str], lengths: list[int], agree: np.ndarray, kl: np.ndarray,
+                decided: np.ndarray) -> list[dict]:
     records, start = [], 0
     for passage_id, length in zip(passage_ids, lengths):
         positions = length - 1
-        a, k = agree[start:start + positions], kl[start:start + positions]
+        a, k, d = (v[start:start + positions] for v in (agree, kl, decided))
         records.append({"id": passage_id, "positions": positions, "top1_agree": int(a.sum()),
+                        "decided_positions": int(d.sum()), "decided_top1_agree": int((a & d).sum()),
                         "kl_sum": float(k.sum()), "kl_mean": float(k.mean()), "kl_max": float(k.max())})
         start += positions
     return records
 
 
-def metrics(records: list[dict], kl: np.ndarray, top_k: int) -> dict:
+def metrics(records: list[dict], kl: np.ndarray, top_k: int, decided_margin: float) -> dict:
     positions = [r["positions"] for r in records]
     agree = [r["top1_agree"] for r in records]
+    decided = [r["decided_positions"] for r in records]
+    decided_agree = [r["decided_top1_agree"] for r in records]
     kl_sums = [r["kl_sum"] for r in records]
     total = sum(positions)
     return {
         "positions": total, "passages": len(records), "top_k": top_k, "method": METHOD,
         "top1_agreement": {"value": sum(agree) / total, "ci95": list(bootstrap_ratio_ci(agree, positions)),
                            "ci_method": "percentile bootstrap over passages, 2,000 resamples"},
+        "decided_top1_agreement": {
+            "value": sum(decided_agree) / sum(decided) if sum(decided) else None,
+            "ci95": list(bootstrap_ratio_ci(decided_agree, decided)) if sum(decided) else None,
+            "ci_method": "percentile bootstrap over passages, 2,000 resamples",
+            "positions": sum(decided), "margin_nats": decided_margin,
+            "rule": f"positions where the reference's most likely token leads the runner-up by at least "
+                    f"{decided_margin:g} nats"},
         "mean_kl": {"value": sum(kl_sums) / total, "ci95": list(bootstrap_ratio_ci(kl_sums, positions)),
                     "ci_method": "percentile bootstrap over passages, 2,000 resamples"},
         "kl_percentiles": percentiles(kl.tolist()),
@@ -156,8 +186,9 @@ def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -
     requests = [(pid, request(model, ids, top_k)) for pid, ids in zip(reference["passage_ids"], reference["token_ids"])]
     top_ids, top_lp = top_arrays(pool.map("/v1/completions", requests), reference["top_ids"].shape[1])
     agree, kl = position_figures(reference["top_ids"], reference["top_lp"], top_ids, top_lp)
-    records = per_passage(reference["passage_ids"], reference["lengths"], agree, kl)
-    figures = metrics(records, kl, top_k)
+    decided = decided_positions(reference["top_lp"], cfg["decided_margin"])
+    records = per_passage(reference["passage_ids"], reference["lengths"], agree, kl, decided)
+    figures = metrics(records, kl, top_k, cfg["decided_margin"])
     exact_passages = cfg["exact_check_passages"]
     if exact_passages:
         full_replies = pool.map("/v1/completions", [(pid, request(model, ids, -1)) for pid, ids in

@@ -147,10 +147,19 @@ class Page:
             rows.append({"Build": row["label"] + (" (read twice)" if row["reference_read_twice"] else ""),
                          "Positions": f"{metrics['positions']:,}",
                          "Next-word agreement [95% CI]": rate_text({**metrics["top1_agreement"]}),
+                         "where the original decides [95% CI]": self._decided_text(metrics),
                          "Drift, mean KL (nats) [95% CI]": f"{kl['value']:.4f} [{kl['ci95'][0]:.4f}, {kl['ci95'][1]:.4f}]",
                          "KL p99": f"{metrics['kl_percentiles']['p99']:.3g}",
                          "Exact-KL check (relative difference)": self._exact_check(metrics)})
         return html_table(pd.DataFrame(rows)) if rows else None
+
+    @staticmethod
+    def _decided_text(metrics: dict) -> str:
+        decided = metrics.get("decided_top1_agreement")
+        if not decided or decided["value"] is None:
+            return "-"
+        return (rate_text(decided) + f" on {decided['positions']:,} positions "
+                f"({decided['positions'] / metrics['positions']:.0%})")
 
     @staticmethod
     def _exact_check(metrics: dict) -> str:
@@ -195,12 +204,16 @@ class Page:
             out["size_drop"] = charts.size_against_drop(knowledge, self.judging["pass_mark_points"], "MMLU")
         out["memory"] = charts.stacked_memory([{"label": self.label(b), **self.results.memory[b]} for b in self.builds])
         agreement = self.agreement_rows()
+        for key, figure, title in [
+                ("agreement", "top1_agreement", "Next-word agreement with the original"),
+                ("decided_agreement", "decided_top1_agreement", "Next-word agreement where the original decides")]:
+            rows = [(r["label"], r["metrics"][figure]) for r in agreement
+                    if (r["metrics"].get(figure) or {}).get("value") is not None]
+            if rows:
+                out[key] = charts.interval_dots(
+                    [{"label": label, "value": 100 * m["value"], "low": 100 * m["ci95"][0], "high": 100 * m["ci95"][1]}
+                     for label, m in rows], "%", f"{title}, 95% intervals", "{:.1f}", bounds=(0.0, 100.0))
         if agreement:
-            out["agreement"] = charts.interval_dots(
-                [{"label": r["label"], "value": 100 * r["metrics"]["top1_agreement"]["value"],
-                  "low": 100 * r["metrics"]["top1_agreement"]["ci95"][0],
-                  "high": 100 * r["metrics"]["top1_agreement"]["ci95"][1]} for r in agreement],
-                "%", "Next-word agreement with the original, 95% intervals", "{:.1f}", bounds=(0.0, 100.0))
             out["drift"] = charts.interval_dots(
                 [{"label": r["label"], "value": r["metrics"]["mean_kl"]["value"],
                   "low": r["metrics"]["mean_kl"]["ci95"][0], "high": r["metrics"]["mean_kl"]["ci95"][1]}
@@ -238,6 +251,9 @@ class Page:
             agreement = self.results.evals.get(build_id, {}).get("agreement")
             if agreement:
                 sentence += f"; next-word agreement {pct(agreement['metrics']['top1_agreement']['value'])}"
+                decided = agreement["metrics"].get("decided_top1_agreement") or {}
+                if decided.get("value") is not None:
+                    sentence += f" ({pct(decided['value'])} where the original decides)"
             verdict = self.passes(build_id)
             if verdict is not None:
                 sentence += "; passes the pass mark" if verdict else "; fails the pass mark"
