@@ -7,6 +7,9 @@ measured offline (float32 torch, the decoded weights rounded to bf16 as vLLM hol
 - end to end: the mean KL(original || build) of next-token distributions over every position of the
   passages, and top-1 agreement, with every MoE layer's experts decoded (twx3: all 3-bit; twx2.5: the
   2/3-bit plan of a finished run's twx2_5 build);
+- top-1 agreement by how far the original's top token leads its runner-up (the agreement eval's
+  decided margin is 0.1 nats): where the original hardly prefers one token, every build's top-1 is
+  close to a coin toss;
 - where the weight error lies, by weight size within its block of 32: the share of a code's squared
   error on each class, and the class's own relative squared error.
 
@@ -48,6 +51,8 @@ def decoded(weights: torch.Tensor, codec, bits_of) -> torch.Tensor:
     return torch.stack([codec.decode(*codec.encode(w, bits_of(e)), torch.bfloat16).float()
                         for e, w in enumerate(weights)])
 
+
+MARGIN_BINS = [(0.0, 0.01), (0.01, 0.05), (0.05, 0.1), (0.1, 0.3), (0.3, 1.0), (1.0, float("inf"))]
 
 SIZE_CLASSES = {"exact zero": (0.0, 0.0), "below 1/4 of the block maximum": (0.0, 0.25),
                 "1/4 up to the maximum": (0.25, 1.0), "the block maximum": (1.0, 1.0)}
@@ -98,7 +103,11 @@ def main() -> int:
     for hook in hooks:
         hook.remove()
     kept = {i: (experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()) for i, experts in moe.items()}
-    figures: dict = {"layers": {}, "end_to_end": {}, "positions": sum(o.shape[0] for o in original)}
+    top_two = torch.cat(original).topk(2, dim=-1).values
+    margin = (top_two[:, 0] - top_two[:, 1]).numpy()
+    bins = [(low, high, (margin >= low) & (margin < high)) for low, high in MARGIN_BINS]
+    figures: dict = {"layers": {}, "end_to_end": {}, "positions": sum(o.shape[0] for o in original),
+                     "margin_bins": {f"{low:g}-{high:g}": int(inside.sum()) for low, high, inside in bins}}
     widths = {"twx3": lambda layer: lambda expert: 3,
               "twx2.5": lambda layer: lambda expert: plan[str(layer)][str(expert)]}
     for build, bits_of in widths.items():
@@ -114,20 +123,27 @@ def main() -> int:
                                             / clean.pow(2).sum())
                     experts.gate_up_proj.copy_(w13)
                     experts.down_proj.copy_(w2)
-                kl = agree = 0.0
+                kl = 0.0
+                agreeing = []
                 for ids, log_p in zip(passages, original):
                     log_q = F.log_softmax(model(ids).logits[0, :-1], dim=-1)
                     kl += float((log_p.exp() * (log_p - log_q)).sum())
-                    agree += float((log_p.argmax(-1) == log_q.argmax(-1)).sum())
+                    agreeing.append(log_p.argmax(-1) == log_q.argmax(-1))
+                agreeing = torch.cat(agreeing).numpy()
+                agree = float(agreeing.sum())
                 for i, experts in moe.items():
                     experts.gate_up_proj.copy_(kept[i][0])
                     experts.down_proj.copy_(kept[i][1])
             figures["layers"][key] = layer_errors
+            by_margin = {f"{low:g}-{high:g}": float(agreeing[inside].mean()) for low, high, inside in bins}
             figures["end_to_end"][key] = {"mean_kl": kl / figures["positions"],
-                                          "top1_agreement": agree / figures["positions"]}
+                                          "top1_agreement": agree / figures["positions"],
+                                          "top1_agreement_by_margin": by_margin}
             print(f"{key:12s} MoE output error per layer " + " ".join(f"{e:.4f}" for e in layer_errors.values())
                   + f" (mean {np.mean(list(layer_errors.values())):.4f}); end to end: mean KL "
-                  f"{kl / figures['positions']:.5f}, top-1 agreement {agree / figures['positions']:.4f}", flush=True)
+                  f"{kl / figures['positions']:.5f}, top-1 agreement {agree / figures['positions']:.4f}; by the original's "
+                  "margin (nats): " + ", ".join(f"{name} {value:.3f} ({figures['margin_bins'][name]})"
+                                               for name, value in by_margin.items()), flush=True)
     figures["by_weight_size"] = {}
     for bits in (3, 2):
         for version, codec in CODECS.items():
