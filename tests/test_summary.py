@@ -13,7 +13,7 @@ def compared(build: str, verdicts: dict[str, str], agreement: float | None = Non
              for eval_id, verdict in verdicts.items()}
     if agreement is not None:
         evals["agreement"] = {"top1_agreement": {"value": agreement}, "mean_kl": {"value": kl},
-                              "decided_top1_agreement": {"value": decided} if decided is not None else None}
+                              "decided_top1_agreement": {"value": decided}}
     return {"a": "original", "b": build, "evals": evals}
 
 

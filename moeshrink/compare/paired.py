@@ -159,7 +159,7 @@ def agreement(b_result: dict) -> dict:
     return {"against": b_result.get("compared_with") or b_result["build"], "positions": metrics["positions"],
             "passages": metrics["passages"], "top_k": metrics["top_k"],
             "top1_agreement": metrics["top1_agreement"],
-            "decided_top1_agreement": metrics.get("decided_top1_agreement"), "mean_kl": metrics["mean_kl"],
+            "decided_top1_agreement": metrics["decided_top1_agreement"], "mean_kl": metrics["mean_kl"],
             "kl_percentiles": metrics.get("kl_percentiles"), "method": metrics["method"],
             "reference_read_twice": bool(b_result.get("reference"))}
 

@@ -44,7 +44,7 @@ def build_summary(compared: dict, memory: dict) -> dict:
     return {
         "verdicts": verdicts, "passes": passes,
         "top1_agreement": agreement["top1_agreement"]["value"] if agreement else None,
-        "decided_top1_agreement": (agreement.get("decided_top1_agreement") or {}).get("value") if agreement else None,
+        "decided_top1_agreement": agreement["decided_top1_agreement"]["value"] if agreement else None,
         "mean_kl": agreement["mean_kl"]["value"] if agreement else None,
         "drop_points": first_paired["drop_points"] if first_paired else None,
         "kv_cache_tokens": memory["kv_cache_tokens"],
@@ -57,8 +57,8 @@ def choose(builds: dict[str, dict]) -> dict:
 
     def fidelity_key(build_id: str) -> tuple[float, float]:
         figures = builds[build_id]
-        agreement = figures.get("decided_top1_agreement")
-        if agreement is None:
+        agreement = figures["decided_top1_agreement"]
+        if agreement is None:  # no position decided, or agreement did not run
             agreement = figures["top1_agreement"]
         if agreement is not None:
             return (agreement, -figures["mean_kl"])

@@ -155,8 +155,8 @@ class Page:
 
     @staticmethod
     def _decided_text(metrics: dict) -> str:
-        decided = metrics.get("decided_top1_agreement")
-        if not decided or decided["value"] is None:
+        decided = metrics["decided_top1_agreement"]
+        if decided["value"] is None:
             return "-"
         return (rate_text(decided) + f" on {decided['positions']:,} positions "
                 f"({decided['positions'] / metrics['positions']:.0%})")
@@ -207,8 +207,7 @@ class Page:
         for key, figure, title in [
                 ("agreement", "top1_agreement", "Next-word agreement with the original"),
                 ("decided_agreement", "decided_top1_agreement", "Next-word agreement where the original decides")]:
-            rows = [(r["label"], r["metrics"][figure]) for r in agreement
-                    if (r["metrics"].get(figure) or {}).get("value") is not None]
+            rows = [(r["label"], r["metrics"][figure]) for r in agreement if r["metrics"][figure]["value"] is not None]
             if rows:
                 out[key] = charts.interval_dots(
                     [{"label": label, "value": 100 * m["value"], "low": 100 * m["ci95"][0], "high": 100 * m["ci95"][1]}
@@ -251,8 +250,8 @@ class Page:
             agreement = self.results.evals.get(build_id, {}).get("agreement")
             if agreement:
                 sentence += f"; next-word agreement {pct(agreement['metrics']['top1_agreement']['value'])}"
-                decided = agreement["metrics"].get("decided_top1_agreement") or {}
-                if decided.get("value") is not None:
+                decided = agreement["metrics"]["decided_top1_agreement"]
+                if decided["value"] is not None:
                     sentence += f" ({pct(decided['value'])} where the original decides)"
             verdict = self.passes(build_id)
             if verdict is not None:
