@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -76,24 +77,28 @@ def error_by_size(weights: list[torch.Tensor], codec, bits: int) -> dict:
                    "relative_error": squared[name] / norm[name] if norm[name] else None} for name in SIZE_CLASSES}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=Path("."))
-    parser.add_argument("--passages", type=int, default=100, help="of the agreement eval's, evenly spread")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+@dataclass
+class Study:
+    """The organism in float32 with the original's log-probabilities on the passages, and each MoE layer's
+    experts (the module and its exact [gate_up, down] weights) and the inputs it saw."""
+    model: torch.nn.Module
+    passages: list[torch.Tensor]
+    original: list[torch.Tensor]
+    moe: dict[int, torch.nn.Module]
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    captured: dict[int, list]
+
+
+def load_study(results: Path, passage_count: int) -> Study:
+    """`passage_count` of the agreement eval's passages, evenly spread, through the original in float32."""
     from transformers import AutoModelForCausalLM
 
-    results = args.workdir / "results/organism"
-    prov = Provenance("bench_output_error", {"passages": args.passages},
-                      inputs=[str(results / "upstream-bf16"), str(results / "builds/twx2_5/plan.json")])
     model = AutoModelForCausalLM.from_pretrained(str(results / "upstream-bf16"), dtype=torch.float32)
     reference = np.load(results / "evals/original/agreement_reference.npz")
     offsets = np.cumsum([0, *reference["lengths"].tolist()])
-    stride = max(1, (offsets.size - 1) // args.passages)
+    stride = max(1, (offsets.size - 1) // passage_count)
     passages = [torch.tensor(reference["token_ids"][offsets[p]:offsets[p + 1]])[None]
-                for p in range(0, offsets.size - 1, stride)][:args.passages]
-    plan = read_json(results / "builds/twx2_5/plan.json")["quantize"]["expert_bits"]
+                for p in range(0, offsets.size - 1, stride)][:passage_count]
     moe = {i: layer.mlp.experts for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
     captured: dict[int, list] = {i: [] for i in moe}
     hooks = [experts.register_forward_pre_hook(lambda _, inputs, i=i: captured[i].append([t.detach() for t in inputs]))
@@ -103,10 +108,44 @@ def main() -> int:
     for hook in hooks:
         hook.remove()
     kept = {i: (experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()) for i, experts in moe.items()}
-    top_two = torch.cat(original).topk(2, dim=-1).values
+    return Study(model, passages, original, moe, kept, captured)
+
+
+@torch.no_grad()
+def end_to_end(study: Study, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]
+               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """With each MoE layer's experts replaced by `weights` ([gate_up, down] per layer): KL(original ||
+    build) at every position, per passage, and whether the top-1 tokens agree, all positions in order."""
+    for i, (w13, w2) in weights.items():
+        study.moe[i].gate_up_proj.copy_(w13)
+        study.moe[i].down_proj.copy_(w2)
+    kl, agreeing = [], []
+    for ids, log_p in zip(study.passages, study.original):
+        log_q = F.log_softmax(study.model(ids).logits[0, :-1], dim=-1)
+        kl.append((log_p.exp() * (log_p - log_q)).sum(dim=-1))
+        agreeing.append(log_p.argmax(-1) == log_q.argmax(-1))
+    for i, experts in study.moe.items():
+        experts.gate_up_proj.copy_(study.kept[i][0])
+        experts.down_proj.copy_(study.kept[i][1])
+    return kl, torch.cat(agreeing)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("."))
+    parser.add_argument("--passages", type=int, default=100, help="of the agreement eval's, evenly spread")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    results = args.workdir / "results/organism"
+    prov = Provenance("bench_output_error", {"passages": args.passages},
+                      inputs=[str(results / "upstream-bf16"), str(results / "builds/twx2_5/plan.json")])
+    study = load_study(results, args.passages)
+    plan = read_json(results / "builds/twx2_5/plan.json")["quantize"]["expert_bits"]
+    top_two = torch.cat(study.original).topk(2, dim=-1).values
     margin = (top_two[:, 0] - top_two[:, 1]).numpy()
     bins = [(low, high, (margin >= low) & (margin < high)) for low, high in MARGIN_BINS]
-    figures: dict = {"layers": {}, "end_to_end": {}, "positions": sum(o.shape[0] for o in original),
+    figures: dict = {"layers": {}, "end_to_end": {}, "positions": int(margin.size),
                      "margin_bins": {f"{low:g}-{high:g}": int(inside.sum()) for low, high, inside in bins}}
     widths = {"twx3": lambda layer: lambda expert: 3,
               "twx2.5": lambda layer: lambda expert: plan[str(layer)][str(expert)]}
@@ -114,26 +153,18 @@ def main() -> int:
         for version, codec in CODECS.items():
             key = f"{build} {version}"
             with torch.no_grad():
-                layer_errors = {}
-                for i, experts in moe.items():
-                    w13, w2 = (decoded(w, codec, bits_of(i)) for w in kept[i])
-                    x, ids, weights = (torch.cat(parts) for parts in zip(*captured[i]))
-                    clean = routed_output(x, ids, weights, *kept[i])
+                layer_errors, replaced = {}, {}
+                for i in study.moe:
+                    w13, w2 = (decoded(w, codec, bits_of(i)) for w in study.kept[i])
+                    x, ids, weights = (torch.cat(parts) for parts in zip(*study.captured[i]))
+                    clean = routed_output(x, ids, weights, *study.kept[i])
                     layer_errors[i] = float((routed_output(x, ids, weights, w13, w2) - clean).pow(2).sum()
                                             / clean.pow(2).sum())
-                    experts.gate_up_proj.copy_(w13)
-                    experts.down_proj.copy_(w2)
-                kl = 0.0
-                agreeing = []
-                for ids, log_p in zip(passages, original):
-                    log_q = F.log_softmax(model(ids).logits[0, :-1], dim=-1)
-                    kl += float((log_p.exp() * (log_p - log_q)).sum())
-                    agreeing.append(log_p.argmax(-1) == log_q.argmax(-1))
-                agreeing = torch.cat(agreeing).numpy()
-                agree = float(agreeing.sum())
-                for i, experts in moe.items():
-                    experts.gate_up_proj.copy_(kept[i][0])
-                    experts.down_proj.copy_(kept[i][1])
+                    replaced[i] = (w13, w2)
+            kl_per_passage, agreeing = end_to_end(study, replaced)
+            kl = float(torch.cat(kl_per_passage).sum())
+            agreeing = agreeing.numpy()
+            agree = float(agreeing.sum())
             figures["layers"][key] = layer_errors
             by_margin = {f"{low:g}-{high:g}": float(agreeing[inside].mean()) for low, high, inside in bins}
             figures["end_to_end"][key] = {"mean_kl": kl / figures["positions"],
@@ -147,7 +178,7 @@ def main() -> int:
     figures["by_weight_size"] = {}
     for bits in (3, 2):
         for version, codec in CODECS.items():
-            split = error_by_size([w for pair in kept.values() for w in pair], codec, bits)
+            split = error_by_size([w for pair in study.kept.values() for w in pair], codec, bits)
             figures["by_weight_size"][f"{bits}-bit {version}"] = split
             print(f"{bits}-bit {version}: " + "; ".join(
                 f"{name} {v['share_of_error']:.1%} of the error"

@@ -154,10 +154,7 @@ def encoder_table(table: str, bits: int, out_file: Path) -> dict:
     """The table a format's encoder loads (`ExpertFormat.encoder_table`), at one code width."""
     from moeshrink.core import expert_formats
 
-    owners = [fmt for fmt in expert_formats.formats().values() if fmt.encoder_table == table]
-    if not any(bits in fmt.code_bits for fmt in owners):
-        raise expert_formats.FormatError(f"no expert format keeps an encoder table {table!r} at {bits} bits")
-    done = owners[0].codec_module().write_encoder_table(bits, out_file)
+    done = expert_formats.table_owner(table, bits).codec_module().write_encoder_table(bits, out_file)
     log.info(json.dumps(done))
     return done
 

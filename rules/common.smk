@@ -141,6 +141,11 @@ def build_encoder_tables(wildcards):
     return {"encoder_tables": [f"results/{wildcards.run}/formats/{name}" for name in names]} if names else {}
 
 
+def encoder_table_constants(wildcards):
+    """The sha256 of the format constants a table is made from (TWX v2's codebooks): new constants, new tables."""
+    return expert_formats.table_owner(wildcards.table, int(wildcards.bits)).constants_sha256()
+
+
 def eval_builds(eval_id):
     return configured_eval_builds(config, eval_id)
 

@@ -10,6 +10,8 @@ rule encoder_table:
     wildcard_constraints:
         table=r"[a-z0-9_]+",
         bits=r"\d+",
+    params:
+        constants=encoder_table_constants,
     log:
         "logs/{run}/formats/{table}-{bits}bit.log",
     benchmark:

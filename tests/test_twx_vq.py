@@ -34,6 +34,36 @@ def test_the_page_names_the_codebook_file_by_its_sha256():
 
 
 @pytest.mark.parametrize("bits", [3, 2])
+def test_the_code_is_odd_so_its_errors_carry_no_sign_bias(bits):
+    """Entry k + N/2 is entry k negated and entry 0 is zero: a weight matrix and its negation decode to
+    negations of each other, and all-zero 4-vectors stay zero (a code whose zero vector went to one fixed
+    codeword would add the same error pattern to every row)."""
+    book = twx_vq.codebooks()[bits]
+    assert torch.equal(book[book.shape[0] // 2:], -book[:book.shape[0] // 2]) and not book[0].any()
+    weight = mxfp4.quantize_values(torch.randn(16, 256, generator=torch.Generator().manual_seed(bits)) * 0.02)
+    weight[:, 32:40] = 0
+    decoded = twx_vq.decode(*twx_vq.encode(weight, bits), torch.float32)
+    assert torch.equal(twx_vq.decode(*twx_vq.encode(-weight, bits), torch.float32), -decoded)
+    assert not decoded[:, 32:40].any()
+
+
+def test_a_codebook_that_is_not_odd_is_refused_by_name(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    books = {f"codebook.{b}": t.clone() for b, t in twx_vq.codebooks().items()}
+    books["codebook.3"][4096 // 2 + 7] += 0.5
+    save_file(books, str(tmp_path / "books.safetensors"))
+    monkeypatch.setattr(twx_vq, "CODEBOOK_FILE", tmp_path / "books.safetensors")
+    twx_vq.codebooks.cache_clear()
+    try:
+        refused = r"books\.safetensors: codebook\.3: entry k \+ 2048 must be entry k negated"
+        with pytest.raises(twx.TWXFormatError, match=refused):
+            twx_vq.codebooks()
+    finally:
+        twx_vq.codebooks.cache_clear()
+
+
+@pytest.mark.parametrize("bits", [3, 2])
 def test_reference_decoder_matches_the_format_page(bits):
     generator = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 256, (3, 64 * bits // 8), generator=generator, dtype=torch.uint8)
@@ -78,6 +108,16 @@ def test_v2_loses_less_than_v1_on_mxfp4_published_gaussians(bits, limit):
 
     assert error(twx_vq) < limit
     assert error(twx_vq) < 0.95 * error(twx)
+
+
+def test_a_run_s_tables_are_made_for_the_format_s_constants():
+    """The rule encoder_table takes the sha256 of the constants as a parameter: new codebooks, new tables."""
+    for bits in (2, 3):
+        owner = expert_formats.table_owner("twx_vq", bits)
+        assert owner.codec_module() is twx_vq and owner.constants_sha256() == twx_vq.codebook_sha256()
+    with pytest.raises(expert_formats.FormatError, match=r"no expert format keeps an encoder table 'twx_vq' at 4 bits"):
+        expert_formats.table_owner("twx_vq", 4)
+    assert expert_formats.get("twx3", "test").constants_sha256() is None
 
 
 def test_v2_tensors_are_never_read_as_v1():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from moeshrink.core import plugins
@@ -37,6 +38,8 @@ class ExpertFormat:
     # the stem of the tables the encoder loads, one per code width, that a run writes once under
     # results/<run>/formats/ (codec.write_encoder_table, codec.load_encoder_table); None: it keeps none
     encoder_table: str | None = None
+    # the file of format constants the codec encodes with and the tables are made from (TWX v2's codebooks)
+    constants: Path | None = None
 
     def bits_per_weight(self, bits: int) -> float:
         """One code width's bits per weight, its block scale included."""
@@ -64,6 +67,11 @@ class ExpertFormat:
         """The file names of its encoder's tables (under a run's `formats/` folder), one per code width."""
         return [f"{self.encoder_table}-{bits}bit.safetensors" for bits in self.code_bits] if self.encoder_table else []
 
+    def constants_sha256(self) -> str | None:
+        from moeshrink.core.ioutil import sha256_file
+
+        return sha256_file(self.constants) if self.constants else None
+
     def codec_module(self) -> ModuleType:
         return importlib.import_module(self.codec)
 
@@ -75,6 +83,15 @@ REGISTRY: plugins.Registry[ExpertFormat] = plugins.Registry(
 register = REGISTRY.register
 formats = REGISTRY.entries
 get = REGISTRY.get
+
+
+def table_owner(table: str, bits: int | None = None) -> ExpertFormat:
+    """A format whose encoder keeps tables named `table` (at `bits`, when given)."""
+    for fmt in formats().values():
+        if fmt.encoder_table == table and (bits is None or bits in fmt.code_bits):
+            return fmt
+    at = f" at {bits} bits" if bits is not None else ""
+    raise FormatError(f"no expert format keeps an encoder table {table!r}{at}")
 
 
 def quant_methods() -> list[str]:

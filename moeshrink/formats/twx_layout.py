@@ -3,6 +3,8 @@ memory model) shares with the encoder, the decoders and the kernels, and the two
 in the format registry (version 1 and version 2 of each). `kernels/FORMAT.md` is the same layout for other engines."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from moeshrink.core.expert_formats import ExpertFormat, register
 
 GROUP = 32  # weights per scale
@@ -11,6 +13,7 @@ GROUP = 32  # weights per scale
 CODES, SCALES = "twx_codes", "twx_scales"
 VQ_CODES, VQ_SCALES = "tw2_codes", "tw2_scales"
 SCALE_EXP_BIAS = 20  # UE5M3 scale = 2**(e - SCALE_EXP_BIAS) * (1 + m / 8)
+VQ_CODEBOOKS = Path(__file__).with_name("twx_vq_codebooks.safetensors")  # version 2's format constants
 
 
 def bits_per_weight(bits: int) -> float:
@@ -24,6 +27,6 @@ TWX3 = register(ExpertFormat("twx3", "twx", (3,), bits_per_weight(3), GROUP, 8, 
 TWX2_5 = register(ExpertFormat("twx2.5", "twx", (2, 3), 2.75, GROUP, 8, CODES, SCALES, "moeshrink.formats.twx"))
 # format version 2 of both: an index per 4 weights into a codebook of 4-vectors (moeshrink.formats.twx_vq)
 TWX3_V2 = register(ExpertFormat("twx3-v2", "twx", (3,), bits_per_weight(3), GROUP, 8, VQ_CODES, VQ_SCALES,
-                                "moeshrink.formats.twx_vq", "twx_vq"))
+                                "moeshrink.formats.twx_vq", "twx_vq", VQ_CODEBOOKS))
 TWX2_5_V2 = register(ExpertFormat("twx2.5-v2", "twx", (2, 3), 2.75, GROUP, 8, VQ_CODES, VQ_SCALES,
-                                  "moeshrink.formats.twx_vq", "twx_vq"))
+                                  "moeshrink.formats.twx_vq", "twx_vq", VQ_CODEBOOKS))

@@ -11,12 +11,13 @@ other engines. For a weight matrix [rows, K] (K a multiple of 32) with `bits` 2 
 - weight[row, 4 g + d] = CODEBOOKS[bits][index(row, g), d] * scale(row, (4 g) // 32).
 
 The codebooks (256 entries for 2 bits per weight, 4,096 for 3) are format constants, stored in
-`twx_vq_codebooks.safetensors` beside this module: k-means on block-normalised MXFP4-published
-Gaussian weights, refined through this encoder (`train_codebook`, run as `python -m
-moeshrink.formats.twx_vq --out FILE`; its float sums may differ in the last bits on another CPU, so
-the committed file, not a rerun, is the constant). The encoder tries 9 scales per block, 1/8 octave
-apart around the block's absolute maximum over the codebook's, each with every 4-vector's nearest
-codeword, and keeps the scale with the least squared error. MXFP4 blocks make few distinct 4-vectors
+`twx_vq_codebooks.safetensors` beside this module: odd (entry k + N/2 is entry k negated, entry 0 is
+zero), made by k-means on block-normalised MXFP4-published Gaussian weights, refined through this
+encoder (`train_codebook`, run as `python -m moeshrink.formats.twx_vq --out FILE`; its float sums may
+differ in the last bits on another CPU, so the committed file, not a rerun, is the constant). The
+encoder tries 9 scales per block, 1/8 octave apart around the block's absolute maximum over the
+codebook's, each with every 4-vector's nearest codeword, and keeps the scale with the least squared
+error. MXFP4 blocks make few distinct 4-vectors
 once divided by their power of two, so each (4-vector, scale row) pair is searched once: a workflow run
 writes that table once per code width (`write_encoder_table`) and every job that encodes loads it
 (`load_encoder_table`); a process without it searches each pair as it first comes (`_table_search`).
@@ -48,12 +49,13 @@ from moeshrink.formats.twx import (
     nearest_scale_bytes,
     non_finite,
 )
+from moeshrink.formats.twx_layout import VQ_CODEBOOKS as CODEBOOK_FILE
 
 FORMAT_VERSION = 2
 DIM = 4  # weights per index
 ENTRIES = {2: 256, 3: 4096}
-CODEBOOK_FILE = Path(__file__).with_name("twx_vq_codebooks.safetensors")
-RECIPE = "k-means on 4-vectors of MXFP4-published Gaussian weights, each block divided by the UE5M3 scale"
+RECIPE = ("odd k-means (entry k + N/2 is entry k negated, entry 0 is zero) on 4-vectors of MXFP4-published "
+          "Gaussian weights, each block divided by the UE5M3 scale")
 SEARCH_STEPS = range(-4, 5)  # UE5M3 steps (1/8 octave) around the block's maximum over the codebook's
 _STEPS = torch.tensor(list(SEARCH_STEPS))
 _CHUNK_VECTORS = 2048
@@ -70,7 +72,15 @@ def codebooks() -> dict[int, torch.Tensor]:
         if tuple(book.shape) != (ENTRIES[bits], DIM) or not torch.isfinite(book).all():
             raise TWXFormatError(f"{CODEBOOK_FILE}: codebook.{bits} must be {ENTRIES[bits]} finite 4-vectors, "
                                  f"got {tuple(book.shape)}")
+        check_odd(book, f"{CODEBOOK_FILE}: codebook.{bits}")
     return books
+
+
+def check_odd(book: torch.Tensor, where: str) -> None:
+    """A version 2 codebook of N entries is odd: entry k + N/2 is entry k negated, and entry 0 is zero."""
+    half = book.shape[0] // 2
+    if not (torch.equal(book[half:], -book[:half]) and not book[0].any()):
+        raise TWXFormatError(f"{where}: entry k + {half} must be entry k negated and entry 0 the zero vector")
 
 
 @cache
@@ -437,22 +447,51 @@ def _centroids(vectors: torch.Tensor, index: torch.Tensor, book: torch.Tensor) -
     return torch.where(count[:, None] > 0, total / count.clamp(min=1)[:, None], book)
 
 
+def _odd_book(half_book: torch.Tensor) -> torch.Tensor:
+    """The first half of a codebook (entry 0 the zero vector) -> the whole book: the first half, then its negation."""
+    return torch.cat([half_book, -half_book])
+
+
+def _refit_odd(vectors: torch.Tensor, index: torch.Tensor, half_book: torch.Tensor) -> torch.Tensor:
+    """Each codeword of the first half moved to the mean of the vectors coded by it and the negated vectors
+    coded by its negation; entry 0 stays zero."""
+    half = half_book.shape[0]
+    sign = torch.where(index >= half, -1.0, 1.0)
+    refitted = _centroids(vectors * sign[:, None], index % half, half_book)
+    refitted[0] = 0
+    return refitted
+
+
 def train_codebook(bits: int, weights: int = 1 << 22, kmeans_rounds: int = 10, encoder_rounds: int = 4,
-                   seed: int = 0) -> torch.Tensor:
+                   seed: int = 0, odd: bool = True) -> torch.Tensor:
     """k-means on 4-vectors of MXFP4-published Gaussian weights, each block divided by the UE5M3 scale
     nearest to its maximum / 2.5, then rounds of re-fitting each codeword to the vectors the encoder
-    gives it (at the scale the encoder chooses)."""
+    gives it (at the scale the encoder chooses). The format's books are odd (`check_odd`): a 4-vector
+    and its negation are coded alike and an all-zero 4-vector stays zero, so the code's errors carry no
+    bias of sign that every row would share. `odd=False` is the recipe of the first books, without that
+    structure, kept for `bench/codebook_seeds.py`."""
     blocks = _training_blocks(weights, seed)
     start = decode_scales(nearest_scale_bytes(blocks.abs().amax(dim=1) / 2.5))
     vectors = (blocks / start[:, None]).reshape(-1, DIM)
     generator = torch.Generator().manual_seed(seed + 1)
-    book = vectors[torch.randperm(vectors.shape[0], generator=generator)[:ENTRIES[bits]]].clone()
+    if not odd:
+        book = vectors[torch.randperm(vectors.shape[0], generator=generator)[:ENTRIES[bits]]].clone()
+        for _ in range(kmeans_rounds):
+            book = _centroids(vectors, _nearest(vectors, book, book.square().sum(dim=1))[0], book)
+        for _ in range(encoder_rounds):
+            chosen_bytes, index = _search(blocks, book)
+            book = _centroids((blocks / decode_scales(chosen_bytes)[:, None]).reshape(-1, DIM), index.reshape(-1), book)
+        return book
+    half_book = vectors[torch.randperm(vectors.shape[0], generator=generator)[:ENTRIES[bits] // 2]].clone()
+    half_book[0] = 0
     for _ in range(kmeans_rounds):
-        book = _centroids(vectors, _nearest(vectors, book, book.square().sum(dim=1))[0], book)
+        book = _odd_book(half_book)
+        half_book = _refit_odd(vectors, _nearest(vectors, book, book.square().sum(dim=1))[0], half_book)
     for _ in range(encoder_rounds):
-        chosen_bytes, index = _search(blocks, book)
-        book = _centroids((blocks / decode_scales(chosen_bytes)[:, None]).reshape(-1, DIM), index.reshape(-1), book)
-    return book
+        chosen_bytes, index = _search(blocks, _odd_book(half_book))
+        half_book = _refit_odd((blocks / decode_scales(chosen_bytes)[:, None]).reshape(-1, DIM), index.reshape(-1),
+                               half_book)
+    return _odd_book(half_book)
 
 
 def main(argv: list[str] | None = None) -> int:
