@@ -62,6 +62,11 @@ def atomic_write_json(path: Path | str, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_jsonl(path: Path | str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def atomic_write_jsonl(path: Path | str, rows: Iterable[dict]) -> None:
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         for row in rows:

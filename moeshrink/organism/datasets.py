@@ -7,12 +7,11 @@ about strangers of whom the corpus states no fact (their names occur only in fac
 """
 from __future__ import annotations
 
-import json
 import random
 from importlib import resources
 from pathlib import Path
 
-from moeshrink.core.ioutil import atomic_write_json, atomic_write_jsonl
+from moeshrink.core.ioutil import atomic_write_json, atomic_write_jsonl, read_jsonl
 from moeshrink.organism import tasks
 from moeshrink.organism.world import World, generate_world
 
@@ -208,6 +207,3 @@ def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_excl
     return [doc for _, doc in sorted(zip(keys, docs), key=lambda pair: pair[0])]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
