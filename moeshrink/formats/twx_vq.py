@@ -474,24 +474,18 @@ def train_codebook(bits: int, weights: int = 1 << 22, kmeans_rounds: int = 10, e
     start = decode_scales(nearest_scale_bytes(blocks.abs().amax(dim=1) / 2.5))
     vectors = (blocks / start[:, None]).reshape(-1, DIM)
     generator = torch.Generator().manual_seed(seed + 1)
-    if not odd:
-        book = vectors[torch.randperm(vectors.shape[0], generator=generator)[:ENTRIES[bits]]].clone()
-        for _ in range(kmeans_rounds):
-            book = _centroids(vectors, _nearest(vectors, book, book.square().sum(dim=1))[0], book)
-        for _ in range(encoder_rounds):
-            chosen_bytes, index = _search(blocks, book)
-            book = _centroids((blocks / decode_scales(chosen_bytes)[:, None]).reshape(-1, DIM), index.reshape(-1), book)
-        return book
-    half_book = vectors[torch.randperm(vectors.shape[0], generator=generator)[:ENTRIES[bits] // 2]].clone()
-    half_book[0] = 0
+    # what is fitted (the first half of an odd book; a whole book otherwise), the book it makes, and its refit
+    whole, refit = (_odd_book, _refit_odd) if odd else ((lambda book: book), _centroids)
+    fitted = vectors[torch.randperm(vectors.shape[0], generator=generator)[:ENTRIES[bits] // (2 if odd else 1)]].clone()
+    if odd:
+        fitted[0] = 0
     for _ in range(kmeans_rounds):
-        book = _odd_book(half_book)
-        half_book = _refit_odd(vectors, _nearest(vectors, book, book.square().sum(dim=1))[0], half_book)
+        book = whole(fitted)
+        fitted = refit(vectors, _nearest(vectors, book, book.square().sum(dim=1))[0], fitted)
     for _ in range(encoder_rounds):
-        chosen_bytes, index = _search(blocks, _odd_book(half_book))
-        half_book = _refit_odd((blocks / decode_scales(chosen_bytes)[:, None]).reshape(-1, DIM), index.reshape(-1),
-                               half_book)
-    return _odd_book(half_book)
+        chosen_bytes, index = _search(blocks, whole(fitted))
+        fitted = refit((blocks / decode_scales(chosen_bytes)[:, None]).reshape(-1, DIM), index.reshape(-1), fitted)
+    return whole(fitted)
 
 
 def main(argv: list[str] | None = None) -> int:
