@@ -13,7 +13,8 @@ Prints, each against a baseline measured in the same run:
   decoder's throughput beside it (one thread, TWX bytes read per second);
 - TWX v2's encoder on the first `--v2-tensors` of the same weights, against v1's on those weights
   (issue 19: v2 no slower than v1), as a build's shard job runs it (loading the encoder table the
-  run writes once, whose writing time is printed beside), and in a process without that table.
+  run writes once, whose writing time is printed beside), in a process without that table, and with
+  its error weighted by input-column importance (seeded random values: the time does not depend on them).
 """
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ def quantize_throughput(source: Path, shard: str, bits: int, limit: int, v2_limi
     twx_vq.forget_encoder_tables()
     start = time.perf_counter()
     twx_vq.load_encoder_table(table)
-    encode_s = decode_s = plain_s = v1_on_v2_s = 0.0
+    encode_s = decode_s = plain_s = v1_on_v2_s = weighted_s = 0.0
     v2_s = time.perf_counter() - start
     source_bytes = twx_bytes = weights = v2_weights = 0
     with safe_open(str(source / shard), "pt") as f:
@@ -218,6 +219,10 @@ def quantize_throughput(source: Path, shard: str, bits: int, limit: int, v2_limi
                 twx_vq.encode(read_expert_weight(f, name, "mxfp4"), bits)
                 v2_s += time.perf_counter() - start
                 v2_weights += weight.numel()
+                importance = torch.rand(weight.shape[1], generator=torch.Generator().manual_seed(position)) ** 4
+                start = time.perf_counter()
+                twx_vq.encode(read_expert_weight(f, name, "mxfp4"), bits, importance=importance)
+                weighted_s += time.perf_counter() - start
             start = time.perf_counter()
             plain = twx.encode_plain(weight, bits)
             plain_s += time.perf_counter() - start
@@ -244,6 +249,7 @@ def quantize_throughput(source: Path, shard: str, bits: int, limit: int, v2_limi
                    "v1_encode_gweights_per_s_per_core": v2_weights / v1_on_v2_s / 1e9 if v1_on_v2_s else None,
                    "v2_over_v1_encode_seconds": v2_s / v1_on_v2_s if v1_on_v2_s else None, "target": 1.0,
                    "table_write_seconds_once_per_run": table_write_s,
+                   "activation_weighted_over_v1_encode_seconds": weighted_s / v1_on_v2_s if v1_on_v2_s else None,
                    "without_table_over_v1_encode_seconds": first_process_s / v1_on_v2_s if v1_on_v2_s else None}}
 
 
@@ -319,7 +325,9 @@ def main() -> int:
                   f"G weights/s per core against v1's {v2['v1_encode_gweights_per_s_per_core']:.4f} on the same "
                   f"tensors: v2 takes {v2['v2_over_v1_encode_seconds']:.2f}x v1's time (target <= 1), loading "
                   f"the encoder table its run writes once ({v2['table_write_seconds_once_per_run']:.1f} s); "
-                  f"{v2['without_table_over_v1_encode_seconds']:.1f}x in a process without the table")
+                  f"{v2['without_table_over_v1_encode_seconds']:.1f}x in a process without the table; with "
+                  f"activation-weighted error (quantize.output_aware: encoder; the table loaded): "
+                  f"{v2['activation_weighted_over_v1_encode_seconds']:.1f}x")
     if args.json:
         atomic_write_json(args.json, {**results, "provenance": prov.record()})
     if not args.keep:

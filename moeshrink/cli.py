@@ -101,6 +101,8 @@ def cmd_quantize(args) -> int:
     calibration = Path(args.calibration) if args.calibration else None
     if calibration:
         spec["calibration"] = {"file": str(calibration), "sequences": args.sequences, "seq_len": args.seq_len}
+    if args.output_aware:
+        spec["output_aware"] = args.output_aware.split(",")
     build = {"label": args.format, "quantize": spec}
     manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), Path(args.output),
                                    quantize_calibration_file=calibration)
@@ -209,8 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=list(expert_formats.formats()), required=True)
     p.add_argument("--max-bits-per-weight", type=float, help="routed-expert bit budget (default: " + ", ".join(
         f"{name} {fmt.default_budget:g}" for name, fmt in expert_formats.formats().items()) + ")")
-    p.add_argument("--calibration", help="a format of two code widths (TWX2.5): allocate bits by output error on "
-                                         "this text (.jsonl with a text field, or plain text); default: calibration-free")
+    p.add_argument("--calibration", help="output-aware quantization on this text (.jsonl with a text field, or plain "
+                                         "text): formats of two code widths allocate bits by output error on it, "
+                                         "v2 formats weigh the encoder's error by its activations; default: "
+                                         "calibration-free")
+    p.add_argument("--output-aware", help="what --calibration decides, comma-separated: allocation, encoder "
+                                          "(default: every step the format can take)")
     p.add_argument("--sequences", type=int, default=32, help="--calibration: sequences")
     p.add_argument("--seq-len", type=int, default=256, help="--calibration: tokens per sequence")
 

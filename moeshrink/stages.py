@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -173,16 +174,32 @@ def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, upstream_mani
     return plan
 
 
+def expert_importance(spec: dict, upstream_dir: Path, calibration_file: Path, out_file: Path) -> dict:
+    """The input-column importance of every routed expert on a build's quantize calibration text (`spec`:
+    file, sequences, seq_len), which its encoder weighs its error by (quantize.output_aware: encoder)."""
+    from moeshrink.compress import importance_file
+    from moeshrink.core import plugins
+
+    prov = Provenance("expert_importance", {"calibration": spec}, inputs=[str(upstream_dir), str(calibration_file)])
+    layers = plugins.resolve(importance_file.MEASURE)(upstream_dir, spec, calibration_file)
+    done = importance_file.write(out_file, layers, importance_file.calibration_record(spec, calibration_file))
+    log.info(json.dumps({**done, "provenance": prov.record()}))
+    return done
+
+
 def build_shard(upstream_dir: Path, upstream_manifest: dict, shard: str, plan_file: Path, out_path: Path,
-                encoder_tables: list[Path] = ()) -> dict:
+                encoder_tables: list[Path] = (), importance_file: Path | None = None) -> dict:
     from moeshrink.compress.builder import changes_nothing, link_shard, load_encoder_tables, rewrite_shard
+    from moeshrink.compress.importance_file import Importance
 
     plan = read_json(plan_file)
     load_encoder_tables(plan, encoder_tables)
     if changes_nothing(plan):
         done = link_shard(upstream_dir, upstream_manifest, shard, out_path)
     else:
-        done = rewrite_shard(upstream_dir, upstream_manifest, shard, plan, out_path)
+        expected = (plan["quantize"] or {}).get("error_weights")
+        importance = Importance(importance_file, expected) if importance_file else None
+        done = rewrite_shard(upstream_dir, upstream_manifest, shard, plan, out_path, importance)
     log.info(json.dumps(done))
     return done
 
@@ -213,8 +230,15 @@ def build_folder(build_id: str, build_cfg: dict, upstream_dir: Path, out_dir: Pa
                              "revision": None}
     plan = build_plan(build_id, build_cfg, upstream_dir, upstream_manifest, out_dir / "plan.json", calibration_file,
                       quantize_calibration_file=quantize_calibration_file)
-    for shard in plan["shards"]:
-        build_shard(upstream_dir, upstream_manifest, shard, out_dir / "plan.json", out_dir / shard)
+    with tempfile.TemporaryDirectory() as scratch:  # not in the build folder, whose safetensors are its shards
+        importance_file = None
+        if (plan["quantize"] or {}).get("error_weights"):
+            importance_file = Path(scratch) / "importance.safetensors"
+            expert_importance(build_cfg["quantize"]["calibration"], upstream_dir, quantize_calibration_file,
+                              importance_file)
+        for shard in plan["shards"]:
+            build_shard(upstream_dir, upstream_manifest, shard, out_dir / "plan.json", out_dir / shard,
+                        importance_file=importance_file)
     return build_gather(out_dir, upstream_dir, upstream_manifest, out_dir / "plan.json", plan["shards"])
 
 

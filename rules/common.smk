@@ -128,10 +128,28 @@ def build_calibration(wildcards):
     prune_spec = build.get("prune") or {}
     if prune_spec and prune_methods.get(prune_spec["method"], f"builds.{wildcards.build}.prune.method").calibrated:
         texts["calibration"] = prune_spec["calibration"]["file"] or f"{ORGANISM_DATA}/corpus.jsonl"
-    quantize_calibration = (build.get("quantize") or {}).get("calibration")
-    if quantize_calibration:
-        texts["quantize_calibration"] = quantize_calibration["file"] or f"{ORGANISM_DATA}/corpus.jsonl"
+    quantize_text = quantize_calibration_text(wildcards)
+    if quantize_text:
+        texts["quantize_calibration"] = quantize_text["calibration"]
     return texts
+
+
+def quantize_calibration_text(wildcards):
+    """{"calibration": the text of a build's output-aware quantization}, its configured file or the organism
+    corpus; {} without one."""
+    calibration = (config["builds"][wildcards.build].get("quantize") or {}).get("calibration")
+    return {"calibration": calibration["file"] or f"{ORGANISM_DATA}/corpus.jsonl"} if calibration else {}
+
+
+def quantize_calibration_spec(wildcards):
+    """A build's quantize calibration (file, sequences, seq_len): what its activation importance is made from."""
+    return config["builds"][wildcards.build]["quantize"]["calibration"]
+
+
+def build_importance(wildcards):
+    """The activation importance a build's encoder weighs its error by (quantize.output_aware takes encoder)."""
+    steps = expert_formats.calibrated_steps(config["builds"][wildcards.build].get("quantize"))
+    return {"importance": f"results/{wildcards.run}/importance/{wildcards.build}.safetensors"} if "encoder" in steps else {}
 
 
 def build_encoder_tables(wildcards):

@@ -1,5 +1,6 @@
 # Stage 2: each build from the upstream: a plan (which experts, which bits), one job per upstream
-# shard (in parallel, each independent), then a gather job (index, config, tokenizer, manifest).
+# shard (in parallel, each independent), then a gather job (index, config, tokenizer, manifest). A build
+# whose encoder weighs its error by calibration activations has their importance measured first.
 # Builds are made in the order their servers queue (the reference first), so that the reference is
 # served first and every other build's agreement has its passages when that build is served.
 
@@ -25,6 +26,29 @@ rule encoder_table:
         "../envs/compress.yaml"
     script:
         "../scripts/encoder_table.py"
+
+
+rule expert_importance:
+    input:
+        unpack(quantize_calibration_text),
+        manifest="results/{run}/upstream/manifest.json",
+    output:
+        importance="results/{run}/importance/{build}.safetensors",
+    params:
+        calibration=quantize_calibration_spec,
+    log:
+        "logs/{run}/importance/{build}.log",
+    benchmark:
+        "benchmarks/{run}/importance/{build}.tsv"
+    priority: server_queue_priority
+    resources:
+        **CPU_JOB,
+        mem_mb=8000,
+        runtime=120,
+    conda:
+        "../envs/compress.yaml"
+    script:
+        "../scripts/expert_importance.py"
 
 
 rule build_plan:
@@ -54,6 +78,7 @@ rule build_plan:
 rule build_shard:
     input:
         unpack(build_encoder_tables),
+        unpack(build_importance),
         manifest="results/{run}/upstream/manifest.json",
         plan="results/{run}/builds/{build}/plan.json",
     output:

@@ -54,22 +54,34 @@ def output_error_through_transformers(model, ids, code_bits):
             errors[index] = table
         return record
 
-    for index, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "experts"):
-            layer.post_attention_layernorm.register_forward_pre_hook(keep_residual(index))
-            layer.mlp.register_forward_pre_hook(hook(index))
-    with torch.no_grad():
-        model.model(input_ids=ids)
+    through_moe_blocks(model, ids, hook, keep_residual)
     return errors
 
 
-def test_output_error_per_expert_and_code_width_follows_its_definition(tmp_path):
+def through_moe_blocks(model, ids, mlp_hook, norm_hook=None) -> None:
+    """The model's forward with `mlp_hook(layer index)` before every MoE block (and `norm_hook(layer
+    index)` before the norm that feeds it)."""
+    for index, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            if norm_hook:
+                layer.post_attention_layernorm.register_forward_pre_hook(norm_hook(index))
+            layer.mlp.register_forward_pre_hook(mlp_hook(index))
+    with torch.no_grad():
+        model.model(input_ids=ids)
+
+
+def tiny_deepseek_v3(tmp_path):
+    """(folder, token ids [2, 16], the model through transformers) of test_prune's tiny DeepSeek-V3."""
     deepseek_v3(tmp_path)
     folder = tmp_path / "dsv3"
-    fmt = expert_formats.get("twx2.5", "test")
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    return folder, ids, AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
+
+
+def test_output_error_per_expert_and_code_width_follows_its_definition(tmp_path):
+    folder, ids, model = tiny_deepseek_v3(tmp_path)
+    fmt = expert_formats.get("twx2.5", "test")
     got = reap.layer_pass(folder, ids, partial(OutputErrorMoE, fmt=fmt))["layers"]
-    model = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
     expected = output_error_through_transformers(model, ids, fmt.code_bits)
     assert set(got) == set(expected)
     for layer, table in expected.items():
@@ -102,5 +114,6 @@ def test_a_calibrated_plan_widens_the_experts_whose_output_error_falls_most(publ
 def test_calibration_for_a_format_of_one_code_width_is_refused_by_name(published, small_data):
     folder, manifest = published
     spec = {"label": "c", "quantize": {"format": "twx3", "calibration": {"file": None, "sequences": 2, "seq_len": 32}}}
-    with pytest.raises(BuildError, match=r"builds\.c\.quantize\.calibration: twx3 has one code width"):
+    with pytest.raises(BuildError, match=r"builds\.c\.quantize\.calibration: twx3 has one code width and an encoder "
+                                          "that weighs no error"):
         make_plan("c", spec, folder, manifest, None, small_data / "corpus.jsonl")

@@ -90,8 +90,16 @@ def test_out_of_range_and_bad_enum(default_config):
      "builds.twx2_5.quantize.max_bits_per_weight: twx3 stores at least 3.25 bits per weight, more than 3"),
     ({"format": "twx2.5", "max_bits_per_weight": 4.0},
      "builds.twx2_5.quantize.max_bits_per_weight: twx2.5 stores at most 3.25 bits per weight"),
-    ({"format": "twx3-v2", "calibration": {"file": None, "sequences": 4, "seq_len": 64}},
-     "builds.twx2_5.quantize.calibration: twx3-v2 has one code width, so it allocates no bits"),
+    ({"format": "twx3", "calibration": {"file": None, "sequences": 4, "seq_len": 64}},
+     "builds.twx2_5.quantize.calibration: twx3 has one code width and an encoder that weighs no error"),
+    ({"format": "twx3-v2", "calibration": {"file": None, "sequences": 4, "seq_len": 64}, "output_aware": ["allocation"]},
+     "builds.twx2_5.quantize.output_aware: twx3-v2 cannot take 'allocation' from calibration text (it can: encoder)"),
+    ({"format": "twx2.5", "calibration": {"file": None, "sequences": 4, "seq_len": 64}, "output_aware": ["encoder"]},
+     "builds.twx2_5.quantize.output_aware: twx2.5 cannot take 'encoder' from calibration text (it can: allocation)"),
+    ({"format": "twx2.5-v2", "output_aware": ["encoder"]},
+     "builds.twx2_5.quantize.output_aware: needs builds.twx2_5.quantize.calibration"),
+    ({"format": "twx2.5-v2", "calibration": {"file": None, "sequences": 4, "seq_len": 64}, "output_aware": ["weights"]},
+     "builds.twx2_5.quantize.output_aware.0: 'weights' is not one of"),
     ({"format": "twx2.5", "calibration": {"file": None, "sequences": 0, "seq_len": 64}},
      "builds.twx2_5.quantize.calibration.sequences: 0 is less than the minimum of 1"),
 ])
@@ -257,3 +265,28 @@ def test_a_v2_build_reads_the_encoder_tables_its_run_writes_once():
             assert set(re.findall(r"formats/(twx_vq-\dbit)\.safetensors", inputs)) == tables[output[1]], job
             seen.add(output[1])
     assert seen == set(tables)
+
+
+def test_a_build_whose_encoder_weighs_activations_has_them_measured_for_its_shards():
+    """quantize.output_aware: encoder: the build's shard jobs read its activation importance, which one
+    expert_importance job measures on its calibration text; another build's shard jobs read none. (A
+    shard's name is known once the upstream exists, so the dry run names one.)"""
+    shard = "model-00001-of-00004.safetensors"
+    builds = ("twx3_v2_aw", "twx2_5_v2_aw", "twx3_v2", "twx2_5")
+    result = snakemake_dry_run(*[f"results/organism/builds/{build}/{shard}" for build in builds[1:]], "--forceall",
+                               "--configfile", str(ROOT / "bench" / "twx_v2_builds.yaml"),
+                               str(ROOT / "bench" / "twx_v2_weighted_builds.yaml"),
+                               target=f"results/organism/builds/{builds[0]}/{shard}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    jobs = re.split(r"\n\s*\[[^\]]+\]\n", result.stdout)
+    measured = {re.search(r"output: (\S+)", job)[1]: re.search(r"input: (.*)", job)[1]
+                for job in jobs if re.search(r"rule expert_importance:", job)}
+    assert sorted(measured) == ["results/organism/importance/twx2_5_v2_aw.safetensors",
+                                "results/organism/importance/twx3_v2_aw.safetensors"]
+    assert all("organism/data/corpus.jsonl" in inputs for inputs in measured.values())
+    read = {}
+    for job in jobs:
+        output = re.search(r"output: results/organism/builds/(\w+)/", job)
+        if re.search(r"rule build_shard:", job) and output:
+            read[output[1]] = re.findall(r"importance/(\w+)\.safetensors", re.search(r"input: (.*)", job)[1])
+    assert read == {build: [build] if build.endswith("_aw") else [] for build in builds}

@@ -83,3 +83,17 @@ def test_every_preset_has_report_params():
     for preset in sorted((ROOT / "presets").glob("*.yaml")):
         config = read_layers(ROOT / "config.yaml", preset)
         assert report_params(config)["builds"].keys() == config["builds"].keys(), preset.name
+
+
+def test_what_calibration_decides_is_the_same_params_however_it_is_written():
+    """A build's quantize.output_aware in another order, or left to the format, is the same build."""
+    calibration = {"file": None, "sequences": 4, "seq_len": 64}
+
+    def params(**quantize):
+        return build_params({"builds": {"b": {"label": "b", "quantize": {"format": "twx2.5-v2", **quantize}}}}, "b")
+
+    default = params(calibration=calibration)
+    assert default["quantize"]["output_aware"] == ["allocation", "encoder"]
+    assert repr(params(calibration=calibration, output_aware=["encoder", "allocation"])) == repr(default)
+    assert params(calibration=calibration, output_aware=["encoder"]) != default
+    assert "output_aware" not in params()["quantize"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moeshrink.compress import prune
+from moeshrink.compress import importance_file, prune
 from moeshrink.core import expert_formats, plugins, prune_methods
 from moeshrink.core.arch import CLASSES, Adapter, ExpertTensor, adapter_for, check_has_moe
 from moeshrink.core.checkpoint import (
@@ -167,25 +167,29 @@ def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest:
         problem = expert_format.budget_problem(max_bits, f"builds.{build_id}.quantize.max_bits_per_weight")
         if problem:
             raise BuildError(problem)
+        unfit = expert_formats.output_aware_problems(spec, f"builds.{build_id}.quantize")
+        if unfit:
+            raise BuildError(unfit[0])
+        steps = expert_formats.calibrated_steps(spec)
+        if steps and quantize_calibration_file is None:
+            raise BuildError(f"builds.{build_id}.quantize.calibration: no calibration file was given")
+        plan["quantize"] = {**spec, "max_bits_per_weight": max_bits}
+        if "encoder" in steps:
+            plan["quantize"]["error_weights"] = importance_file.calibration_record(spec["calibration"],
+                                                                                   quantize_calibration_file)
         # expert_bits is keyed by the build's (compacted) expert index
         if len(expert_format.code_bits) == 1:
-            if spec.get("calibration"):
-                raise BuildError(f"builds.{build_id}.quantize.calibration: {expert_format.name} has one code width, "
-                                 "so it allocates no bits")
             bits = {layer: {new: expert_format.code_bits[0] for new in range(len(kept[layer]))} for layer in layers}
-            plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits)}
+            plan["quantize"]["expert_bits"] = _str_keys(bits)
         else:
-            if spec.get("calibration"):
-                if quantize_calibration_file is None:
-                    raise BuildError(f"builds.{build_id}.quantize.calibration: no calibration file was given")
+            if "allocation" in steps:
                 gains, sensitivity = output_error_gains(upstream, expert_format, spec["calibration"],
                                                         quantize_calibration_file, kept)
             else:
                 gains, sensitivity = weight_error_gains(expert_norms(upstream, adapter, fmt, kept), expert_format)
             by_original = allocate_bits(gains, max_bits, expert_format)
             bits = {layer: {new: by_original[layer][old] for new, old in enumerate(kept[layer])} for layer in layers}
-            plan["quantize"] = {**spec, "max_bits_per_weight": max_bits, "expert_bits": _str_keys(bits),
-                                "sensitivity": sensitivity}
+            plan["quantize"].update(expert_bits=_str_keys(bits), sensitivity=sensitivity)
     plan["num_experts_after"] = len(next(iter(kept.values())))
     plan["shards"] = sorted(set(index_of(upstream)["weight_map"].values()))
     return plan
@@ -207,8 +211,13 @@ def _str_keys(nested: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------- shard rewrite
-def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dict, out_path: Path) -> dict:
-    """Rewrite one upstream shard for the build; returns what was done to it."""
+def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dict, out_path: Path,
+                  importance: importance_file.Importance | None = None) -> dict:
+    """Rewrite one upstream shard for the build; returns what was done to it. `importance`: the input
+    columns' importance the encoder weighs its error by, where the plan says so (`error_weights`)."""
+    if (plan["quantize"] or {}).get("error_weights") and importance is None:
+        raise BuildError(f"build {plan['build']}: its plan weighs the encoder's error by calibration activations, "
+                         "but no importance file was given")
     verify_shard(upstream, upstream_manifest, shard)
     config = read_json(upstream / "config.json")
     adapter = adapter_for(config)
@@ -245,8 +254,10 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                 target = adapter.expert_name(type(ref)(ref.layer, new_index, ref.projection, ref.suffix))
                 expert_bits = bits.get(ref.layer, {}).get(new_index)
                 if expert_bits and ref.suffix == "weight":
+                    weighted = {"importance": importance.for_weight(ref.layer, ref.expert, ref.projection)} \
+                        if importance else {}
                     encoded = expert_format.codec_module().encode(read_expert_weight(f, name, fmt), expert_bits,
-                                                                  name=name)
+                                                                  name=name, **weighted)
                     base = target[: -len(".weight")]
                     out[f"{base}.{expert_format.codes_suffix}"], out[f"{base}.{expert_format.scales_suffix}"] = encoded
                     counts["quantized"] += 1

@@ -176,7 +176,7 @@ def prune_problems(build_id: str, prune_spec: dict | None, source: str) -> list[
 
 def quantize_problems(build_id: str, quantize_spec: dict | None, source: str) -> list[str]:
     """A build's expert format must be registered, its bit budget one the format can keep, and calibration
-    text given only to a format that allocates bits."""
+    text given only to a format in which it decides something (`ExpertFormat.output_aware_steps`)."""
     if not quantize_spec:
         return []
     expert_format, unknown = _registered(expert_formats.get, quantize_spec["format"],
@@ -187,11 +187,9 @@ def quantize_problems(build_id: str, quantize_spec: dict | None, source: str) ->
     problem = budget is not None and expert_format.budget_problem(
         budget, f"builds.{build_id}.quantize.max_bits_per_weight")
     problems = [problem] if problem else []
+    problems += expert_formats.output_aware_problems(quantize_spec, f"builds.{build_id}.quantize")
     calibration = quantize_spec.get("calibration")
-    if calibration is not None and len(expert_format.code_bits) < 2:
-        problems.append(f"builds.{build_id}.quantize.calibration: {expert_format.name} has one code width, so it "
-                        "allocates no bits")
-    elif calibration is not None and calibration["file"] is None and source != "organism":
+    if calibration is not None and calibration["file"] is None and source != "organism":
         problems.append(f"builds.{build_id}.quantize.calibration.file: required unless upstream.source is organism "
                         "(whose corpus is the default)")
     return problems

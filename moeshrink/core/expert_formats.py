@@ -6,7 +6,8 @@ its vLLM kernel too.
 
 The entry itself is header-only knowledge (no torch); the encoder and decoder live in its `codec`
 module, imported when a tensor is encoded or decoded. A codec module provides
-`encode(weight, bits, name) -> (codes, scales)`, `decode(codes, scales, dtype, name) -> weight` and
+`encode(weight, bits, name) -> (codes, scales)` (with `importance=` where the entry says
+`weighted_encoder`), `decode(codes, scales, dtype, name) -> weight` and
 `quantization_config(fmt, expert_bits, source_format) -> dict` (the build's config.json entry).
 """
 from __future__ import annotations
@@ -40,6 +41,9 @@ class ExpertFormat:
     encoder_table: str | None = None
     # the file of format constants the codec encodes with and the tables are made from (TWX v2's codebooks)
     constants: Path | None = None
+    # its codec's encode takes `importance` (one value per input column, from calibration activations)
+    # and weighs each weight's squared error by it
+    weighted_encoder: bool = False
 
     def bits_per_weight(self, bits: int) -> float:
         """One code width's bits per weight, its block scale included."""
@@ -74,6 +78,33 @@ class ExpertFormat:
 
     def codec_module(self) -> ModuleType:
         return importlib.import_module(self.codec)
+
+    def output_aware_steps(self) -> tuple[str, ...]:
+        """What calibration text can decide in this format (builds.<id>.quantize.output_aware): which
+        experts take the wider codes (two or more code widths), and the encoder's error weights."""
+        return tuple(step for step, can in (("allocation", len(self.code_bits) > 1), ("encoder", self.weighted_encoder))
+                     if can)
+
+
+def output_aware_problems(quantize_spec: dict, where: str) -> list[str]:
+    """Why a build's quantize calibration and output_aware list (under `where`) do not fit its format."""
+    fmt, steps = get(quantize_spec["format"], f"{where}.format"), quantize_spec.get("output_aware")
+    if quantize_spec.get("calibration") is None:
+        return [f"{where}.output_aware: needs {where}.calibration (the text it reads)"] if steps else []
+    can = fmt.output_aware_steps()
+    if not can:
+        return [f"{where}.calibration: {fmt.name} has one code width and an encoder that weighs no error, so "
+                "calibration text decides nothing in it"]
+    return [f"{where}.output_aware: {fmt.name} cannot take {step!r} from calibration text (it can: {', '.join(can)})"
+            for step in steps or () if step not in can]
+
+
+def calibrated_steps(quantize_spec: dict | None) -> tuple[str, ...]:
+    """What a build's quantize calibration text decides: its `output_aware` list, or every step its format
+    can take; none without calibration text."""
+    if not quantize_spec or quantize_spec.get("calibration") is None:
+        return ()
+    return tuple(quantize_spec.get("output_aware") or get(quantize_spec["format"], "quantize.format").output_aware_steps())
 
 
 # the built-in TWX3 and TWX2.5 register in twx_layout; other packages' formats come through the entry points

@@ -5,6 +5,8 @@ change affects. Display keys (a build's label, the title) reach only the report;
 the config through `operational`. Reordering config.yaml changes no params."""
 from typing import Any
 
+from moeshrink.core import expert_formats
+
 OPERATIONAL_SERVE_KEYS = ("startup_timeout_s", "stop_timeout_s", "idle_grace_s", "servers_per_machine")
 THREADS = "threads"  # of the organism's training and card: jobs take it from their rule's `threads:`
 DISPLAY_BUILD_KEYS = ("label",)
@@ -31,8 +33,13 @@ def serve_params(config: dict) -> dict:
 
 
 def build_params(config: dict, build_id: str) -> dict:
-    """How a build is made: its prune and quantize specs, never its label."""
-    return canonical(_without(config["builds"][build_id], DISPLAY_BUILD_KEYS))
+    """How a build is made: its prune and quantize specs, never its label; what its quantize calibration
+    decides as a sorted list, whether the config lists it (in any order) or leaves it to the format."""
+    build = _without(config["builds"][build_id], DISPLAY_BUILD_KEYS)
+    quantize = build.get("quantize")
+    if quantize and quantize.get("calibration") is not None:
+        build["quantize"] = {**quantize, "output_aware": sorted(expert_formats.calibrated_steps(quantize))}
+    return canonical(build)
 
 
 def eval_params(config: dict, eval_id: str) -> dict:

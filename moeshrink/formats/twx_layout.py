@@ -27,6 +27,6 @@ TWX3 = register(ExpertFormat("twx3", "twx", (3,), bits_per_weight(3), GROUP, 8, 
 TWX2_5 = register(ExpertFormat("twx2.5", "twx", (2, 3), 2.75, GROUP, 8, CODES, SCALES, "moeshrink.formats.twx"))
 # format version 2 of both: an index per 4 weights into a codebook of 4-vectors (moeshrink.formats.twx_vq)
 TWX3_V2 = register(ExpertFormat("twx3-v2", "twx", (3,), bits_per_weight(3), GROUP, 8, VQ_CODES, VQ_SCALES,
-                                "moeshrink.formats.twx_vq", "twx_vq", VQ_CODEBOOKS))
+                                "moeshrink.formats.twx_vq", "twx_vq", VQ_CODEBOOKS, weighted_encoder=True))
 TWX2_5_V2 = register(ExpertFormat("twx2.5-v2", "twx", (2, 3), 2.75, GROUP, 8, VQ_CODES, VQ_SCALES,
-                                  "moeshrink.formats.twx_vq", "twx_vq", VQ_CODEBOOKS))
+                                  "moeshrink.formats.twx_vq", "twx_vq", VQ_CODEBOOKS, weighted_encoder=True))

@@ -21,6 +21,8 @@ error. MXFP4 blocks make few distinct 4-vectors
 once divided by their power of two, so each (4-vector, scale row) pair is searched once: a workflow run
 writes that table once per code width (`write_encoder_table`) and every job that encodes loads it
 (`load_encoder_table`); a process without it searches each pair as it first comes (`_table_search`).
+Given each input column's importance (`encode(importance=)`), the encoder weighs each weight's squared
+error by it instead, trying per 4-vector the NEIGHBOURS of its plain nearest codeword (`_weighted_search`).
 """
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ RECIPE = ("odd k-means (entry k + N/2 is entry k negated, entry 0 is zero) on 4-
 SEARCH_STEPS = range(-4, 5)  # UE5M3 steps (1/8 octave) around the block's maximum over the codebook's
 _STEPS = torch.tensor(list(SEARCH_STEPS))
 _CHUNK_VECTORS = 2048
+IMPORTANCE_FLOOR = 0.1  # of the mean importance, added to every column's (`error_weights`)
+NEIGHBOURS = 64  # codewords the weighted search tries per 4-vector (`_weighted_search`)
 # a table key: the 4 values' 12-bit keys at these bit offsets, and the 3-bit maximum row below them
 _FIELD_SHIFTS = (39, 27, 15, 3)
 
@@ -313,16 +317,16 @@ def load_encoder_table(path: Path) -> int:
     return bits
 
 
-def _table_search(blocks: torch.Tensor, amax: torch.Tensor, bits: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_search` for blocks (absolute maxima `amax`) whose values, divided by the power of two just above
-    their maximum, have at most 3 mantissa bits (every MXFP4 block). Such a block's 4-vectors are 48-bit
-    keys, its candidate scales that power of two times one of 8 rows (`_relative_candidates`), and
-    dividing both by a power of two leaves every quotient's float32 rounding, and every error's up to
-    that power's square, as it is: so each (vector, row) is searched once, at every scale, and the
-    choices are `_search`'s. Returns (scale bytes [n], indices [n, 8], decided [n]); an undecided block
-    (off the table) has garbage in the first two."""
-    n = blocks.shape[0]
+def _table_view(blocks: torch.Tensor, amax: torch.Tensor, bits: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[torch.Tensor, torch.Tensor, Callable] | None]:
+    """The blocks (absolute maxima `amax`) whose values, divided by the power of two just above their
+    maximum, have at most 3 mantissa bits (every MXFP4 block). Such a block's 4-vectors are 48-bit keys,
+    its candidate scales that power of two times one of 8 rows (`_relative_candidates`), and dividing
+    both by a power of two leaves every quotient's float32 rounding, and every error's up to that
+    power's square, as it is: so each (vector, row) is searched once, at every scale, and the choices
+    are `_search`'s. Returns (those blocks [r], every block's row [n] and byte offset [n], and for
+    those blocks (bags [r, 8] of rows of distance [*, steps], distance, the indices [r, 8] at given
+    steps [r]) or None when there are none)."""
     amax_mantissa, amax_octave = np.frexp(amax.numpy())
     row = ((amax_mantissa.astype(np.float32).view(np.uint32) >> _KEY_SHIFT) & 7).astype(np.int64)
     relative = _relative_candidates(bits)
@@ -332,25 +336,108 @@ def _table_search(blocks: torch.Tensor, amax: torch.Tensor, bits: int
     fits = (amax_mantissa > 0) & (relative[row, 0] + offset >= 0) & (relative[row, -1] + offset <= 255)
     fits &= ~(raw & ((1 << _KEY_SHIFT) - 1)).any(axis=1)
     rows = np.flatnonzero(fits)
-    if rows.size < n:
+    if rows.size < blocks.shape[0]:
         keys = keys[rows]
     found = _DENSE[bits].lookup(row[rows], keys) if bits in _DENSE and rows.size else None
-    if found is None:
+    if found is None and rows.size:
         valid = np.take(_KEY_VALID, keys).all(axis=1)
         rows, keys = rows[valid], keys[valid]
-        found = _sparse_lookup(bits, row[rows], keys)
-    bags, distance, indices_at = found  # bags [r, 8] of rows of distance [*, steps]
+        found = _sparse_lookup(bits, row[rows], keys) if rows.size else None
+    return rows, row, offset, found
+
+
+def _table_search(blocks: torch.Tensor, amax: torch.Tensor, bits: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_search` for the blocks on the table (`_table_view`). Returns (scale bytes [n], indices [n, 8],
+    decided [n]); an undecided block (off the table) has garbage in the first two."""
+    n = blocks.shape[0]
+    rows, row, offset, found = _table_view(blocks, amax, bits)
     decided = torch.zeros(n, dtype=torch.bool)
     chosen_bytes = torch.zeros(n, dtype=torch.int64)
     index = torch.zeros(n, GROUP // DIM, dtype=torch.int64)
-    if rows.size:
+    if found is not None:
+        bags, distance, indices_at = found
         rows_t, row_t = torch.from_numpy(rows), torch.from_numpy(row[rows])
         error = F.embedding_bag(bags, distance, mode="sum") * _relative_scales(bits)[row_t].square()
         best = error.argmin(dim=1)
-        chosen_bytes[rows_t] = torch.from_numpy(relative)[row_t, best] + torch.from_numpy(offset[rows])
+        chosen_bytes[rows_t] = torch.from_numpy(_relative_candidates(bits))[row_t, best] + torch.from_numpy(offset[rows])
         index[rows_t] = indices_at(best)
         decided[rows_t] = True
     return chosen_bytes, index, decided
+
+
+def _nearest_at_every_step(blocks: torch.Tensor, amax: torch.Tensor, bits: int) -> torch.Tensor:
+    """[n, steps, 8]: each 4-vector's nearest codeword at each candidate scale (`_candidate_bytes`), from
+    the table for the blocks on it."""
+    book = codebooks()[bits]
+    nearest = torch.empty(blocks.shape[0], len(SEARCH_STEPS), GROUP // DIM, dtype=torch.int64)
+    rows, _, _, found = _table_view(blocks, amax, bits)
+    on_table = torch.zeros(blocks.shape[0], dtype=torch.bool)
+    if found is not None:
+        rows_t, indices_at = torch.from_numpy(rows), found[2]
+        for step in range(len(SEARCH_STEPS)):
+            nearest[rows_t, step] = indices_at(torch.full((rows.size,), step, dtype=torch.int64))
+        on_table[rows_t] = True
+    rest = torch.nonzero(~on_table).squeeze(1)
+    if rest.numel():
+        candidates, norms = _candidate_bytes(amax[rest], book), book.square().sum(dim=1)
+        for step in range(len(SEARCH_STEPS)):
+            vectors = (blocks[rest] / decode_scales(candidates[:, step])[:, None]).reshape(-1, DIM)
+            nearest[rest, step] = _nearest(vectors, book, norms)[0].reshape(rest.numel(), -1)
+    return nearest
+
+
+@cache
+def _neighbours(bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each codeword's NEIGHBOURS, its nearest codewords in the book (itself first; those of entry k + N/2
+    the negations of entry k's, so that the weighted search stays odd): their indices [entries,
+    NEIGHBOURS], and their coordinates and squares coordinate-major [entries, 4 * NEIGHBOURS]."""
+    book = codebooks()[bits]
+    half = book.shape[0] // 2
+    first = torch.cdist(book[:half].double(), book.double()).topk(NEIGHBOURS, dim=1, largest=False, sorted=True).indices
+    indices = torch.cat([first, (first + half) % book.shape[0]])
+    coordinates = book[indices].transpose(1, 2).reshape(book.shape[0], DIM * NEIGHBOURS).contiguous()
+    return indices, coordinates, coordinates.square()
+
+
+def _weighted_search(blocks: torch.Tensor, amax: torch.Tensor, weights: torch.Tensor, bits: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [n, 32], their weights' factors in the squared error [n, 32] -> (scale bytes [n], indices
+    [n, 8]): at each candidate scale, each 4-vector takes the codeword of least weighted squared
+    distance among the NEIGHBOURS of its (unweighted) nearest; the block keeps the scale of least
+    weighted error."""
+    neighbours, coordinates, squares = _neighbours(bits)
+    candidates = _candidate_bytes(amax, codebooks()[bits])
+    nearest = _nearest_at_every_step(blocks, amax, bits)
+    factors = weights.reshape(-1, DIM)
+    best_error = torch.full((blocks.shape[0],), float("inf"), dtype=torch.float32)
+    best_bytes = candidates[:, 0].clone()
+    best_index = torch.zeros(blocks.shape[0], GROUP // DIM, dtype=torch.int64)
+    for step in range(candidates.shape[1]):
+        scale = decode_scales(candidates[:, step])
+        vectors = (blocks / scale[:, None]).reshape(-1, DIM)
+        nearest_now = nearest[:, step].reshape(-1)
+        index = torch.empty(vectors.shape[0], dtype=torch.int64)
+        distance = torch.empty(vectors.shape[0], dtype=torch.float32)
+        for start in range(0, vectors.shape[0], _CHUNK_VECTORS):
+            part = slice(start, start + _CHUNK_VECTORS)
+            tried = nearest_now[part]
+            coordinate = coordinates.index_select(0, tried).view(-1, DIM, NEIGHBOURS)
+            square = squares.index_select(0, tried).view(-1, DIM, NEIGHBOURS)
+            factor, cross = factors[part], 2 * factors[part] * vectors[part]
+            # sum over d of w_d c_d^2 - 2 w_d x_d c_d: the weighted distance less sum of w_d x_d^2
+            partial = square[:, 0] * factor[:, 0:1] - coordinate[:, 0] * cross[:, 0:1]
+            for d in range(1, DIM):
+                partial += square[:, d] * factor[:, d:d + 1] - coordinate[:, d] * cross[:, d:d + 1]
+            value, where = partial.min(dim=1)
+            index[part] = neighbours[tried, where]
+            distance[part] = (value + (factor * vectors[part].square()).sum(dim=1)).clamp_(min=0)
+        error = _block_sum(distance.reshape(blocks.shape[0], -1)) * scale.square()
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_bytes = torch.where(better, candidates[:, step], best_bytes)
+        best_index = torch.where(better[:, None], index.reshape(blocks.shape[0], -1), best_index)
+    return best_bytes, best_index
 
 
 def _sparse_lookup(bits: int, row: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, Callable]:
@@ -385,13 +472,33 @@ def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
+def error_weights(importance: torch.Tensor, k: int, name: str) -> torch.Tensor | None:
+    """An input column's factor in the encoder's squared error: its importance over their mean, plus
+    IMPORTANCE_FLOOR (so that no column is ignored on the strength of a finite sample); None when every
+    importance is zero (no calibration token reached the weight)."""
+    if tuple(importance.shape) != (k,):
+        raise TWXFormatError(f"{name}: importance must hold one value per input column ({k}), got "
+                             f"{tuple(importance.shape)}")
+    importance = importance.to(torch.float64)
+    if not bool(torch.isfinite(importance).all()) or bool((importance < 0).any()):
+        column = int((~torch.isfinite(importance) | (importance < 0)).nonzero()[0])
+        raise TWXFormatError(f"{name}: importance of input column {column} is {float(importance[column])}; "
+                             "it must be finite and >= 0")
+    mean = importance.mean()
+    return None if mean == 0 else (importance / mean + IMPORTANCE_FLOOR).to(torch.float32)
+
+
 @torch.no_grad()
-def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: int = 256
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [rows, K] -> (codes uint8 [rows, K*bits/8], scales uint8 [rows, K/32])."""
+def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: int = 256,
+           importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [rows, K] -> (codes uint8 [rows, K*bits/8], scales uint8 [rows, K/32]). `importance` [K]:
+    how much each input column's error costs (e.g. its calibration activations' mean square); the
+    search then weighs each weight's squared error by `error_weights` (`_weighted_search`). None:
+    every weight alike."""
     check_encodable(tuple(weight.shape), bits, ENTRIES, name, "TWX v2")
     book = codebooks()[bits]
     rows, k = weight.shape
+    column_weights = None if importance is None else error_weights(importance, k, name)
     codes = torch.empty(rows, k * bits // 8, dtype=torch.uint8)
     scale_bytes = torch.empty(rows, k // GROUP, dtype=torch.uint8)
     for first in range(0, rows, chunk_rows):
@@ -400,10 +507,14 @@ def encode(weight: torch.Tensor, bits: int, name: str = "tensor", chunk_rows: in
         amax = blocks.abs().amax(dim=1)  # not finite where a block holds a NaN or an infinity
         if not torch.isfinite(amax).all():
             raise non_finite(name, first * k + int((~torch.isfinite(part)).reshape(-1).nonzero()[0]), k)
-        chosen_bytes, index, decided = _table_search(blocks, amax, bits)
-        if not bool(decided.all()):
-            rest = torch.nonzero(~decided).squeeze(1)
-            chosen_bytes[rest], index[rest] = _search(blocks[rest], book)
+        if column_weights is None:
+            chosen_bytes, index, decided = _table_search(blocks, amax, bits)
+            if not bool(decided.all()):
+                rest = torch.nonzero(~decided).squeeze(1)
+                chosen_bytes[rest], index[rest] = _search(blocks[rest], book)
+        else:
+            weights = column_weights.expand(part.shape[0], -1).reshape(-1, GROUP)
+            chosen_bytes, index = _weighted_search(blocks, amax, weights, bits)
         codes[first:first + part.shape[0]] = _pack(index.reshape(part.shape[0], -1), bits)
         scale_bytes[first:first + part.shape[0]] = chosen_bytes.reshape(part.shape[0], -1).to(torch.uint8)
     return codes, scale_bytes

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pandas as pd
 from markupsafe import Markup
 
+from moeshrink.core import expert_formats
+
 GB = 1e9
 
 
@@ -66,7 +68,9 @@ def made_by(build: dict) -> str:
     if build.get("prune"):
         steps.append(f"prune {build['prune']['method']}, keep {100 * build['prune']['keep_fraction']:g}% of experts")
     if build.get("quantize"):
-        steps.append(f"quantize experts to {build['quantize']['format']}")
+        calibrated = expert_formats.calibrated_steps(build["quantize"])
+        steps.append(f"quantize experts to {build['quantize']['format']}"
+                     + (f" (output-aware on calibration text: {', '.join(calibrated)})" if calibrated else ""))
     return "; ".join(steps) or "as published"
 
 
