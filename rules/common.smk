@@ -143,7 +143,7 @@ def quantize_calibration_text(wildcards):
 
 def quantize_calibration_spec(wildcards):
     """A build's quantize calibration (file, sequences, seq_len): what its activation importance is made from."""
-    return config["builds"][wildcards.build]["quantize"]["calibration"]
+    return canonical(config["builds"][wildcards.build]["quantize"]["calibration"])
 
 
 def build_importance(wildcards):
