@@ -120,23 +120,32 @@ def _block_sum(distance: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks float32 [n, 32] -> (scale bytes int64 [n], indices int64 [n, 8]): every block, any values."""
-    norms = book.square().sum(dim=1)
-    candidates = _candidate_bytes(blocks.abs().amax(dim=1), book)
+def _scale_search(blocks: torch.Tensor, candidates: torch.Tensor,
+                  nearest: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [n, 32], candidate scale bytes [n, steps], and for a step and the blocks' 4-vectors divided
+    by that step's scales each vector's (codeword index, squared distance) -> (scale bytes int64 [n],
+    indices int64 [n, 8]): per block, the candidate of least error (the first on ties)."""
     best_error = torch.full((blocks.shape[0],), float("inf"), dtype=torch.float32)
     best_bytes = candidates[:, 0].clone()
     best_index = torch.zeros(blocks.shape[0], GROUP // DIM, dtype=torch.int64)
     for step in range(candidates.shape[1]):
         candidate = candidates[:, step]
         scale = decode_scales(candidate)
-        index, distance = _nearest((blocks / scale[:, None]).reshape(-1, DIM), book, norms)
+        index, distance = nearest(step, (blocks / scale[:, None]).reshape(-1, DIM))
         error = _block_sum(distance.reshape(blocks.shape[0], -1)) * scale.square()
         better = error < best_error
         best_error = torch.where(better, error, best_error)
         best_bytes = torch.where(better, candidate, best_bytes)
         best_index = torch.where(better[:, None], index.reshape(blocks.shape[0], -1), best_index)
     return best_bytes, best_index
+
+
+def _search(blocks: torch.Tensor, book: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks float32 [n, 32] -> (scale bytes int64 [n], indices int64 [n, 8]): every block, any values."""
+    norms = book.square().sum(dim=1)
+    candidates = _candidate_bytes(blocks.abs().amax(dim=1), book)
+    return _scale_search(blocks, candidates, lambda step, vectors: _nearest(vectors, book, norms))
 
 
 @cache
@@ -407,15 +416,10 @@ def _weighted_search(blocks: torch.Tensor, amax: torch.Tensor, weights: torch.Te
     distance among the NEIGHBOURS of its (unweighted) nearest; the block keeps the scale of least
     weighted error."""
     neighbours, coordinates, squares = _neighbours(bits)
-    candidates = _candidate_bytes(amax, codebooks()[bits])
     nearest = _nearest_at_every_step(blocks, amax, bits)
     factors = weights.reshape(-1, DIM)
-    best_error = torch.full((blocks.shape[0],), float("inf"), dtype=torch.float32)
-    best_bytes = candidates[:, 0].clone()
-    best_index = torch.zeros(blocks.shape[0], GROUP // DIM, dtype=torch.int64)
-    for step in range(candidates.shape[1]):
-        scale = decode_scales(candidates[:, step])
-        vectors = (blocks / scale[:, None]).reshape(-1, DIM)
+
+    def weighted_nearest(step: int, vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nearest_now = nearest[:, step].reshape(-1)
         index = torch.empty(vectors.shape[0], dtype=torch.int64)
         distance = torch.empty(vectors.shape[0], dtype=torch.float32)
@@ -432,12 +436,9 @@ def _weighted_search(blocks: torch.Tensor, amax: torch.Tensor, weights: torch.Te
             value, where = partial.min(dim=1)
             index[part] = neighbours[tried, where]
             distance[part] = (value + (factor * vectors[part].square()).sum(dim=1)).clamp_(min=0)
-        error = _block_sum(distance.reshape(blocks.shape[0], -1)) * scale.square()
-        better = error < best_error
-        best_error = torch.where(better, error, best_error)
-        best_bytes = torch.where(better, candidates[:, step], best_bytes)
-        best_index = torch.where(better[:, None], index.reshape(blocks.shape[0], -1), best_index)
-    return best_bytes, best_index
+        return index, distance
+
+    return _scale_search(blocks, _candidate_bytes(amax, codebooks()[bits]), weighted_nearest)
 
 
 def _sparse_lookup(bits: int, row: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, Callable]:
