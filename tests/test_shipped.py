@@ -67,6 +67,10 @@ def test_another_recipe_tokenizer_or_file_is_refused_naming_it(made, organism_cf
     with pytest.raises(shipped.ShippedError, match="differs from the tokenizer"):
         shipped.place(folder, organism_cfg, other, tmp_path / "x")
     record = json.loads((folder / "train.json").read_text())
+    older = {k: v for k, v in record["recipe"].items() if k != "trainer"}  # before the trainer had revisions
+    (folder / "train.json").write_text(json.dumps({**record, "recipe": older}))
+    with pytest.raises(shipped.ShippedError, match=r"revision 1 of the trainer .*this is revision 2.*from: scratch"):
+        shipped.place(folder, organism_cfg, tokenizer, tmp_path / "x")
     (folder / "train.json").write_text(json.dumps({**record, "model_sha256": "0" * 64}))
     with pytest.raises(shipped.ShippedError, match="sha256 differs"):
         shipped.place(folder, organism_cfg, tokenizer, tmp_path / "x")

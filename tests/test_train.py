@@ -8,12 +8,20 @@ from safetensors import safe_open
 from moeshrink.formats import mxfp4
 from moeshrink.organism import datasets
 from moeshrink.organism.model import build_model
-from moeshrink.organism.train import IGNORE, LoadCounter, enable_qat, parameter_groups, tokenized_corpus, train
+from moeshrink.organism.train import (
+    IGNORE,
+    LoadCounter,
+    enable_qat,
+    packed_forward,
+    parameter_groups,
+    tokenized_corpus,
+    train,
+)
 from moeshrink.stages import organism_config
 
 TRAIN = dict(seed=0, steps=6, seq_len=64, batch_size=2, lr=3e-3, warmup_steps=2, final_lr_fraction=0.1,
              weight_decay=0.1, grad_clip=1.0, qat_fraction=0.5, bias_update_rate=0.01, threads=2, log_every=1,
-             probe_every=3, attention_init_std=None)
+             probe_every=3, attention_init_std=None, packing="documents")
 
 
 def run(tmp_path, small_data, small_tokenizer_dir, name):
@@ -48,7 +56,7 @@ def test_training_is_deterministic_and_records_its_run(tmp_path, small_data, sma
 
 
 def test_documents_are_packed_with_their_own_positions_and_masked_spans(small_data, small_tokenizer_dir):
-    """Positions restart at every document (transformers then masks attention to it), a document's
+    """Positions restart at every document (`packed_forward` masks attention to it), a document's
     first token is not scored, nor the tool list of a tool dialogue."""
     ids, labels, positions = tokenized_corpus(small_data / datasets.CORPUS_FILE, small_tokenizer_dir / "tokenizer.json")
     starts = (positions == 0).nonzero().flatten()
@@ -63,6 +71,28 @@ def test_documents_are_packed_with_their_own_positions_and_masked_spans(small_da
     scored_text = tokenizer.decode([int(t) for t in labels[begin:end] if t != IGNORE])
     assert "get_weather" not in scored_text.split("<tool_call>")[0]  # the tool list is read, never scored
     assert "<tool_call>" in scored_text  # the assistant's calls are
+
+
+def test_packed_rows_attend_per_document_or_as_one_stream(small_tokenizer_dir):
+    """Training's forward over a packed row gives each document what it gives that document alone
+    (`packing: documents`), with the organism's own config (`use_cache: true`, under which
+    transformers would not mask), or the row as one sequence (`packing: stream`)."""
+    config = organism_config(TINY_MODEL, small_tokenizer_dir)
+    assert config.get("use_cache", True)
+    model = build_model(config).train()
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, 500, (1, n), generator=generator) for n in (11, 13))
+    ids = torch.cat([first, second], 1)
+    positions = torch.cat([torch.arange(11), torch.arange(13)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = packed_forward(model, ids, ids, positions, "documents").logits
+        stream = packed_forward(model, ids, ids, positions, "stream").logits
+        alone = model(input_ids=second, use_cache=False).logits
+        across = model(input_ids=ids, position_ids=positions).logits  # what training computed before
+        whole = model(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(packed[0, 11:], alone[0], atol=1e-4)
+    assert not torch.allclose(across[0, 11:], alone[0], atol=1e-2)
+    assert torch.allclose(stream, whole, atol=1e-4)  # stream: one sequence, positions running on
 
 
 def test_no_weight_decay_on_embeddings_norms_and_biases(small_tokenizer_dir):

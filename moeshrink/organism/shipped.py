@@ -15,6 +15,7 @@ from pathlib import Path
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.ioutil import atomic_path, atomic_write_json, read_json, sha256_file
 from moeshrink.core.provenance import config_hash
+from moeshrink.organism import TRAINER_REVISION
 
 MODEL_FILE = "model.safetensors"
 FILES = (MODEL_FILE, "config.json", "tokenizer.json", "train.json")
@@ -29,10 +30,10 @@ class ShippedError(MoeshrinkError, ValueError):
 
 def recipe(organism_cfg: dict) -> dict:
     """What a trained organism is a function of: its world and corpus, tokenizer, architecture and
-    training settings (not how many threads ran it or how often it logged)."""
+    training settings (not how many threads ran it or how often it logged), and the trainer's revision."""
     train = {k: v for k, v in organism_cfg["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
     return {"data": organism_cfg["data"], "tokenizer": organism_cfg["tokenizer"], "model": organism_cfg["model"],
-            "train": train}
+            "train": train, "trainer": TRAINER_REVISION}
 
 
 def _differences(ours: dict, theirs: dict, path: str = "upstream.organism") -> list[str]:
@@ -54,7 +55,12 @@ def place(shipped_dir: Path, organism_cfg: dict, tokenizer_file: Path, out_dir: 
     if missing:
         raise ShippedError(f"{shipped_dir}: the shipped organism lacks {missing} (upstream.organism.train.shipped)")
     record = read_json(shipped_dir / "train.json")
-    differences = _differences(recipe(organism_cfg), record["recipe"])
+    ours, theirs = recipe(organism_cfg), dict(record["recipe"])
+    if theirs.pop("trainer", 1) != ours.pop("trainer"):
+        raise ShippedError(f"{shipped_dir} was trained by revision {record['recipe'].get('trainer', 1)} of the trainer "
+                           f"(moeshrink/organism/train.py), this is revision {TRAINER_REVISION}: set "
+                           "upstream.organism.train.from: scratch to train with this one, or ship a checkpoint it made")
+    differences = _differences(ours, theirs)
     if differences:
         raise ShippedError(f"{shipped_dir} was trained with another recipe: {'; '.join(differences[:5])}. Set "
                            "upstream.organism.train.from: scratch to train this one (about "

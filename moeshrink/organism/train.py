@@ -34,8 +34,8 @@ IGNORE = -100  # transformers' label for "not scored"
 def tokenized_corpus(corpus_path: Path, tokenizer_file: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The corpus as one stream: token ids (each document closed by EOS), labels (IGNORE on a
     document's first token, which nothing in its context predicts, and on the spans the document
-    marks as not scored, e.g. a tool list), and positions that restart at every document, so that
-    transformers masks attention to each document (packed sequences)."""
+    marks as not scored, e.g. a tool list), and positions that restart at every document (for
+    `packed_forward`)."""
     from tokenizers import Tokenizer
 
     from moeshrink.organism.tokenizer import EOS
@@ -56,6 +56,20 @@ def tokenized_corpus(corpus_path: Path, tokenizer_file: Path) -> tuple[torch.Ten
         labels += [t if keep else IGNORE for t, keep in zip(doc_ids, scored)]
         positions += range(len(doc_ids))
     return torch.tensor(ids), torch.tensor(labels), torch.tensor(positions)
+
+
+PACKINGS = ("documents", "stream")
+
+
+def packed_forward(model, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, packing: str):
+    """The forward pass over packed rows. `documents`: each document attends only to itself;
+    transformers derives that mask from positions restarting, but only without a KV cache (a config
+    with `use_cache: true`, DeepSeek-V3's, would otherwise attend across documents at the restarted
+    positions). `stream`: every token attends to all before it in its row, positions 0..seq_len-1."""
+    if packing not in PACKINGS:
+        raise ValueError(f"upstream.organism.train.packing is {packing!r}; known: {', '.join(PACKINGS)}")
+    position_ids = positions if packing == "documents" else None
+    return model(input_ids=ids, labels=labels, position_ids=position_ids, use_cache=False)
 
 
 def batches(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seq_len: int, batch_size: int, seed: int):
@@ -210,7 +224,7 @@ def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file
             group["lr"] = lr
         ids, labels, positions = next(data)
         with parametrize.cached():
-            loss = model(input_ids=ids, labels=labels, position_ids=positions).loss
+            loss = packed_forward(model, ids, labels, positions, train_cfg["packing"]).loss
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg["grad_clip"])
         optimizer.step()
