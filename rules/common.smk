@@ -9,6 +9,7 @@ from pathlib import Path
 from moeshrink.evals import configured_evals, eval_builds as configured_eval_builds
 from moeshrink.core import eval_kinds, expert_formats, prune_methods
 from moeshrink.core.layout import report_file, results_dir
+from moeshrink.organism import TRAINER_REVISION
 from moeshrink.report.report_inputs import input_files as report_input_files
 from moeshrink.core.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
                                    organism_train_params, report_params, serve_params)

@@ -66,6 +66,7 @@ if UPSTREAM_SOURCE == "organism":
             params:
                 model=canonical(ORGANISM["model"]),
                 train=organism_train_params(config),
+                trainer=TRAINER_REVISION,
             threads: ORGANISM["train"]["threads"]
             log:
                 "logs/{run}/upstream/organism_train.log",

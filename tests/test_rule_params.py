@@ -14,7 +14,6 @@ from moeshrink.core.rule_params import (
     report_params,
     serve_params,
 )
-from moeshrink.organism import TRAINER_REVISION
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +77,6 @@ def test_threads_reach_neither_the_organism_rules_nor_the_report():
     for params in (report_params, organism_train_params, organism_card_params):
         assert params(fewer) == params(config)
     assert "from" not in organism_train_params(config) and "steps" in organism_train_params(config)
-    assert organism_train_params(config)["trainer"] == TRAINER_REVISION  # a trainer that learns otherwise reruns
 
 
 def test_every_preset_has_report_params():

@@ -6,7 +6,6 @@ the config through `operational`. Reordering config.yaml changes no params."""
 from typing import Any
 
 from moeshrink.core import expert_formats
-from moeshrink.organism import TRAINER_REVISION
 
 OPERATIONAL_SERVE_KEYS = ("startup_timeout_s", "stop_timeout_s", "idle_grace_s", "servers_per_machine")
 THREADS = "threads"  # of the organism's training and card: jobs take it from their rule's `threads:`
@@ -64,9 +63,8 @@ def report_params(config: dict) -> dict:
 
 def organism_train_params(config: dict) -> dict:
     """What training computes with (not which path publishes it, where a shipped checkpoint lies, or how
-    many threads run it), and the trainer's revision."""
-    train = _without(config["upstream"]["organism"]["train"], ("from", "shipped", THREADS))
-    return canonical({**train, "trainer": TRAINER_REVISION})
+    many threads run it)."""
+    return canonical(_without(config["upstream"]["organism"]["train"], ("from", "shipped", THREADS)))
 
 
 def organism_card_params(config: dict) -> dict:

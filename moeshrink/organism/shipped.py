@@ -56,8 +56,9 @@ def place(shipped_dir: Path, organism_cfg: dict, tokenizer_file: Path, out_dir: 
         raise ShippedError(f"{shipped_dir}: the shipped organism lacks {missing} (upstream.organism.train.shipped)")
     record = read_json(shipped_dir / "train.json")
     ours, theirs = recipe(organism_cfg), dict(record["recipe"])
-    if theirs.pop("trainer", 1) != ours.pop("trainer"):
-        raise ShippedError(f"{shipped_dir} was trained by revision {record['recipe'].get('trainer', 1)} of the trainer "
+    trained_by = theirs.pop("trainer", 1)  # records from before the trainer had revisions: 1
+    if trained_by != ours.pop("trainer"):
+        raise ShippedError(f"{shipped_dir} was trained by revision {trained_by} of the trainer "
                            f"(moeshrink/organism/train.py), this is revision {TRAINER_REVISION}: set "
                            "upstream.organism.train.from: scratch to train with this one, or ship a checkpoint it made")
     differences = _differences(ours, theirs)
