@@ -166,7 +166,11 @@ class Page:
         check = metrics.get("exact_check")
         if not check or check.get("relative_difference") is None:
             return "-"
-        return f"{100 * check['relative_difference']:.1f}% on {check['positions']:,} positions"
+        text = f"{100 * check['relative_difference']:.1f}% on {check['positions']:,} positions"
+        if not check["within_tolerance"]:
+            text += (f", over the {100 * check['tolerance']:g}% tolerance: this build's mean KL is well under "
+                     "its exact KL (raise evals.agreement.top_k)")
+        return text
 
     def memory_table(self) -> Markup:
         rows = []
