@@ -410,9 +410,10 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
                 # (organism: 1,536 tokens); how close it comes depends on the model (the organism shipped
                 # 2026-12-06 misses 5% for twx3 and pruned75 at top-100), so the test checks the flag, not a figure
                 assert check["estimated_mean_kl"] <= check["exact_mean_kl"] + 1e-9
-                assert check["within_tolerance"] == (check["relative_difference"] <= check["tolerance"] == 0.05)
-                if build == reference:
-                    assert check["exact_mean_kl"] == 0 and check["within_tolerance"]
+                assert check["tolerance"] == 0.05
+                assert check["within_tolerance"] == (check["relative_difference"] <= check["tolerance"])
+                if build == reference:  # read twice: serving noise only
+                    assert check["within_tolerance"], check
                 outside[config["builds"][build]["label"]] = not check["within_tolerance"]
                 if build != reference:
                     assert figures["mean_kl"]["value"] > 0
