@@ -37,9 +37,7 @@ def served_positions_per_s(build_dir: Path, token_ids: list[list[int]], top_k: i
         pool = RequestPool(server, concurrency, retries=2, timeout_s=600)
         pool.map("/v1/completions", [("warm-up", agreement.request("bench", token_ids[0], top_k))])
         started = time.perf_counter()
-        replies = pool.map("/v1/completions", [(str(i), agreement.request("bench", ids, top_k))
-                                               for i, ids in enumerate(token_ids)])
-        agreement.top_arrays(replies, top_k + 1)
+        agreement.read_top(pool, "bench", [(str(i), ids) for i, ids in enumerate(token_ids)], top_k, top_k + 1)
         seconds = time.perf_counter() - started
     return sum(len(t) - 1 for t in token_ids) / seconds, seconds
 

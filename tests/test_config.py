@@ -177,7 +177,8 @@ def test_eval_sets_need_the_fictional_world_and_logprob_limits_are_named(default
     config = copy.deepcopy(default_config)
     config["serve"]["max_logprobs"] = 5
     problems = problems_of(config)
-    assert "evals.agreement.top_k: 100 is more than the server returns (serve.max_logprobs 5)" in problems
+    top_k = config["evals"]["agreement"]["top_k"]
+    assert f"evals.agreement.top_k: {top_k} is more than the server returns (serve.max_logprobs 5)" in problems
     assert ("evals.agreement.exact_check_passages: needs whole-vocabulary log-probabilities (serve.max_logprobs -1, "
             "not 5)") in problems
 

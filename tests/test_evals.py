@@ -65,26 +65,26 @@ def test_top_k_kl_estimate_is_a_lower_bound_close_to_the_exact_kl(top_k):
     reference = _log_softmax(rng.normal(0, 5, (400, vocab)))  # about 1.3 nats of entropy per position
     build = _log_softmax(reference + rng.normal(0, 0.3, (400, vocab)))
     exact = (np.exp(reference) * (reference - build)).sum(-1)
-    ref_ids, ref_lp = agreement.top_arrays([{"choices": [{"prompt_logprobs": _prompt_logprobs(reference, top_k)}]}],
-                                           top_k + 1)
-    ids, lp = agreement.top_arrays([{"choices": [{"prompt_logprobs": _prompt_logprobs(build, top_k)}]}], top_k + 1)
+    ref_ids, ref_lp = agreement.reply_top({"choices": [{"prompt_logprobs": _prompt_logprobs(reference, top_k)}]},
+                                          top_k + 1)
+    ids, lp = agreement.reply_top({"choices": [{"prompt_logprobs": _prompt_logprobs(build, top_k)}]}, top_k + 1)
     agree, estimate = agreement.position_figures(ref_ids, ref_lp, ids, lp)
     assert np.all(estimate <= exact + 1e-9)
     assert abs(estimate.mean() - exact.mean()) / exact.mean() < (0.25 if top_k == 5 else 0.05)
     assert np.array_equal(agree, reference.argmax(-1) == build.argmax(-1))
     # the whole vocabulary returned: the estimate is the exact KL
     full = [{"choices": [{"prompt_logprobs": _prompt_logprobs(m, vocab)}]} for m in (reference, build)]
-    (ri, rl), (bi, bl) = (agreement.top_arrays([r], vocab) for r in full)
+    (ri, rl), (bi, bl) = (agreement.reply_top(r, vocab) for r in full)
     _, whole = agreement.position_figures(ri, rl, bi, bl)
     assert np.allclose(whole, exact, atol=1e-9)
-    check = agreement.exact_check(agreement.full_table([full[0]], vocab), [full[1]], estimate, vocab)
+    check = agreement.exact_check(*(agreement.reply_table(r, vocab) for r in full), estimate)
     assert math.isclose(check["exact_mean_kl"], exact.mean(), rel_tol=1e-9)
 
 
 def test_identical_distributions_agree_fully_with_zero_kl():
     reference = _log_softmax(np.random.default_rng(1).normal(0, 2, (50, 30)))
-    reply = [{"choices": [{"prompt_logprobs": _prompt_logprobs(reference, 20)}]}]
-    ids, lp = agreement.top_arrays(reply, 21)
+    reply = {"choices": [{"prompt_logprobs": _prompt_logprobs(reference, 20)}]}
+    ids, lp = agreement.reply_top(reply, 21)
     agree, kl = agreement.position_figures(ids, lp, ids, lp)
     assert agree.all() and np.allclose(kl, 0, atol=1e-12)
     records = agreement.per_passage(["a", "b"], [21, 31], agree, kl, agreement.decided_positions(lp, 0.1))
@@ -189,6 +189,7 @@ def test_transport_errors_are_retried_with_backoff_then_fail_naming_the_item(ser
     pool = RequestPool(client, concurrency=2, retries=3, timeout_s=5, backoff_s=0.01, label="b/facts")
     _Flaky.failures_left, _Flaky.status, _Flaky.seen = 2, 503, 0
     assert pool.map("/x", [("item-1", {})]) == [{"ok": True}] and pool.retried == 2
+    assert pool.map("/x", [("item-1", {}), ("item-2", {})], keep=lambda reply: reply["ok"]) == [True, True]
     _Flaky.failures_left, _Flaky.seen = 10, 0
     with pytest.raises(EvalError, match=r"b/facts: item 'item-9' failed after 4 attempt\(s\).*HTTP 503"):
         pool.map("/x", [("item-9", {})])

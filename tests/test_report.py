@@ -40,3 +40,14 @@ def test_which_build_is_the_summarys_choice_and_nothing_else():
     assert (page.passes("a"), page.passes("b"), page.verdicts("b")) == (True, None, ["cannot tell"])
     assert page_with(None).which_build() == {"qualifying": [], "failing": [], "undecided": [], "fidelity": None,
                                              "room": None}
+
+
+def test_the_agreement_table_says_where_the_kl_estimate_misses_its_exact_check():
+    def check(relative: float) -> dict:
+        return {"exact_check": {"positions": 1139, "relative_difference": relative, "tolerance": 0.05,
+                                "within_tolerance": relative <= 0.05}}
+
+    assert Page._exact_check(check(0.006)) == "0.6% on 1,139 positions"
+    assert Page._exact_check(check(0.16)) == ("16.0% on 1,139 positions, over the 5% tolerance: this build's mean KL "
+                                              "is well under its exact KL (raise evals.agreement.top_k)")
+    assert Page._exact_check({}) == Page._exact_check({"exact_check": {"relative_difference": None}}) == "-"

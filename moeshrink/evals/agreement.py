@@ -11,6 +11,7 @@ the exact whole-vocabulary KL on the first `exact_check_passages` passages.
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +55,13 @@ def request(model: str, token_ids: list[int], top_k: int) -> dict:
     return {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}
 
 
-def top_arrays(replies: list[dict], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """[positions, width] token ids (PAD_ID where absent) and log-probabilities, all passages in order."""
-    rows = [position for reply in replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
+def _positions(reply: dict) -> list[dict]:
+    return reply["choices"][0]["prompt_logprobs"][1:]
+
+
+def reply_top(reply: dict, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """One reply's [positions, width] token ids (PAD_ID where absent) and log-probabilities."""
+    rows = _positions(reply)
     ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
     logprobs = np.full((len(rows), width), -np.inf, dtype=np.float64)
     for row, entries in enumerate(rows):
@@ -65,6 +70,30 @@ def top_arrays(replies: list[dict], width: int) -> tuple[np.ndarray, np.ndarray]
             ids[row, column] = int(token)
             logprobs[row, column] = entry["logprob"]
     return ids, logprobs
+
+
+def reply_table(reply: dict, vocab: int) -> np.ndarray:
+    """One reply's whole-vocabulary [positions, vocab] log-probabilities."""
+    return logprob_table(_positions(reply), vocab)
+
+
+def stack_top(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    return np.concatenate([ids for ids, _ in parts]), np.concatenate([lp for _, lp in parts])
+
+
+def read_top(pool: RequestPool, model: str, passages: list[tuple[str, list[int]]], top_k: int,
+             width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each passage's top-`top_k` prompt log-probabilities (plus the actual next token), kept as
+    arrays as each reply arrives: a reply's JSON objects take about 1 kB per token listed."""
+    return stack_top(pool.map("/v1/completions", [(pid, request(model, ids, top_k)) for pid, ids in passages],
+                              keep=partial(reply_top, width=width)))
+
+
+def read_full(pool: RequestPool, model: str, passages: list[tuple[str, list[int]]], vocab: int) -> np.ndarray:
+    """Each passage's whole-vocabulary prompt log-probabilities (needs `--max-logprobs -1`)."""
+    tables = pool.map("/v1/completions", [(pid, request(model, ids, -1)) for pid, ids in passages],
+                      keep=partial(reply_table, vocab=vocab))
+    return np.concatenate(tables) if tables else np.zeros((0, vocab))
 
 
 def top1_agreement(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, lp: np.ndarray) -> np.ndarray:
@@ -143,21 +172,14 @@ def metrics(records: list[dict], kl: np.ndarray, top_k: int, decided_margin: flo
     }
 
 
-def exact_check(reference_full: np.ndarray, build_full_replies: list[dict], estimate: np.ndarray, vocab: int) -> dict:
+def exact_check(reference_full: np.ndarray, build_full: np.ndarray, estimate: np.ndarray) -> dict:
     """The estimate against the exact whole-vocabulary KL on the same positions."""
-    rows = [position for reply in build_full_replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
-    build_table = logprob_table(rows, vocab)
-    exact = compare(reference_full, build_table)
-    estimated = float(estimate[: len(rows)].mean())
+    exact = compare(reference_full, build_full)
+    estimated = float(estimate[: len(build_full)].mean())
     relative = abs(estimated - exact["mean_kl"]) / exact["mean_kl"] if exact["mean_kl"] > 0 else 0.0
-    return {"positions": len(rows), "exact_mean_kl": exact["mean_kl"], "estimated_mean_kl": estimated,
+    return {"positions": len(build_full), "exact_mean_kl": exact["mean_kl"], "estimated_mean_kl": estimated,
             "relative_difference": relative, "tolerance": EXACT_TOLERANCE, "within_tolerance": relative <= EXACT_TOLERANCE,
             "exact_top1_agreement": exact["greedy_agreement"]}
-
-
-def full_table(replies: list[dict], vocab: int) -> np.ndarray:
-    rows = [position for reply in replies for position in reply["choices"][0]["prompt_logprobs"][1:]]
-    return logprob_table(rows, vocab)
 
 
 def save_reference(path: Path, passage_ids: list[str], token_ids: list[list[int]], top_ids: np.ndarray,
@@ -183,16 +205,14 @@ def load_reference(path: Path) -> dict:
 def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -> tuple[dict, list[dict]]:
     """Read the reference's passages, compare with the reference's stored top-K."""
     top_k = reference["top_k"]
-    requests = [(pid, request(model, ids, top_k)) for pid, ids in zip(reference["passage_ids"], reference["token_ids"])]
-    top_ids, top_lp = top_arrays(pool.map("/v1/completions", requests), reference["top_ids"].shape[1])
+    passages = list(zip(reference["passage_ids"], reference["token_ids"]))
+    top_ids, top_lp = read_top(pool, model, passages, top_k, reference["top_ids"].shape[1])
     agree, kl = position_figures(reference["top_ids"], reference["top_lp"], top_ids, top_lp)
     decided = decided_positions(reference["top_lp"], cfg["decided_margin"])
     records = per_passage(reference["passage_ids"], reference["lengths"], agree, kl, decided)
     figures = metrics(records, kl, top_k, cfg["decided_margin"])
     exact_passages = cfg["exact_check_passages"]
     if exact_passages:
-        full_replies = pool.map("/v1/completions", [(pid, request(model, ids, -1)) for pid, ids in
-                                                    list(zip(reference["passage_ids"],
-                                                             reference["token_ids"]))[:exact_passages]])
-        figures["exact_check"] = exact_check(reference["full"], full_replies, kl, vocab)
+        figures["exact_check"] = exact_check(reference["full"], read_full(pool, model, passages[:exact_passages],
+                                                                          vocab), kl)
     return figures, records

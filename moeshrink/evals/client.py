@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any
 
 from moeshrink.evals import EvalError, finite
 from moeshrink.serve.endpoint import EndpointError
@@ -58,14 +59,20 @@ class RequestPool:
     def send(self, path: str) -> finite.Send:
         return lambda body: self.server.request("POST", path, body, timeout=self.timeout_s)
 
-    def map(self, path: str, requests: Sequence[tuple[str, dict]],
-            on_reply: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """Replies in request order. The first failure cancels what has not started and is raised;
-        items with non-finite values do not stop the others and are reported together at the end."""
-        replies: list[dict | None] = [None] * len(requests)
+    def map(self, path: str, requests: Sequence[tuple[str, dict]], keep: Callable[[dict], Any] | None = None) -> list:
+        """Replies in request order, or what `keep` takes from each (in the worker, as each arrives, so
+        that large replies are never all held at once). The first failure cancels what has not started
+        and is raised; items with non-finite values do not stop the others and are reported together
+        at the end."""
+        replies: list = [None] * len(requests)
         nonfinite: list[tuple[int, finite.NonFiniteReply]] = []
+
+        def fetch(item_id: str, body: dict):
+            reply = self.post(item_id, path, body)
+            return keep(reply) if keep else reply
+
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = {pool.submit(self.post, item_id, path, body): index
+            futures = {pool.submit(fetch, item_id, body): index
                        for index, (item_id, body) in enumerate(requests)}
             pending = set(futures)
             while pending:
@@ -82,6 +89,4 @@ class RequestPool:
                                 len(requests), self.send(path))
         for future, index in futures.items():
             replies[index] = future.result()
-            if on_reply:
-                on_reply(index, replies[index])
-        return replies  # type: ignore[return-value]
+        return replies

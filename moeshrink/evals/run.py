@@ -6,8 +6,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from moeshrink.core import eval_kinds, plugins
 from moeshrink.core.ioutil import read_json
 from moeshrink.core.provenance import Provenance
@@ -136,12 +134,8 @@ def run_agreement_reference(job: EvalJob) -> dict:
     pool = job.pool(endpoint)
     top_k = job.cfg["top_k"]
     pairs = list(zip([p["id"] for p in passages], token_ids))
-    replies = pool.map("/v1/completions", [(pid, agreement.request(endpoint.model, ids, top_k)) for pid, ids in pairs])
-    top_ids, top_lp = agreement.top_arrays(replies, top_k + 1)
-    exact = job.cfg["exact_check_passages"]
-    full_replies = pool.map("/v1/completions", [(pid, agreement.request(endpoint.model, ids, -1))
-                                                for pid, ids in pairs[:exact]]) if exact else []
-    full = agreement.full_table(full_replies, vocab) if exact else np.zeros((0, vocab))
+    top_ids, top_lp = agreement.read_top(pool, endpoint.model, pairs, top_k, top_k + 1)
+    full = agreement.read_full(pool, endpoint.model, pairs[:job.cfg["exact_check_passages"]], vocab)
     agreement.save_reference(reference_file, [p["id"] for p in passages], token_ids, top_ids, top_lp, full, top_k)
     metrics, records = agreement.run(pool, endpoint.model, agreement.load_reference(reference_file), job.cfg, vocab)
     return job.write(prov, endpoint, len(passages), metrics, records, reference=True,
