@@ -35,7 +35,7 @@ def served_positions_per_s(build_dir: Path, token_ids: list[list[int]], top_k: i
     with VLLMServer(build_dir, log, args=args, env=server_env(cpu=True), served_name="bench",
                     startup_timeout_s=1800) as server:
         pool = RequestPool(server, concurrency, retries=2, timeout_s=600)
-        pool.map("/v1/completions", [("warm-up", agreement.request("bench", token_ids[0], top_k))])
+        pool.map(agreement.ENDPOINT, [("warm-up", agreement.request("bench", token_ids[0], top_k))])
         started = time.perf_counter()
         agreement.read_top(pool, "bench", [(str(i), ids) for i, ids in enumerate(token_ids)], top_k, top_k + 1)
         seconds = time.perf_counter() - started

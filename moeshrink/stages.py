@@ -131,7 +131,7 @@ def bf16_twin(upstream_dir: Path, out_dir: Path) -> dict:
 def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_dir: Path, data_dir: Path,
                   train_record: Path, out_file: Path) -> dict:
     """Skill of the trained model (bf16) and of the published one (through its exact bf16 twin)."""
-    from moeshrink.evals.organism_card import TARGETS, evaluate, meets_targets
+    from moeshrink.evals.organism_card import MEASURED, TARGETS, evaluate, meets_targets
 
     prov = Provenance("organism_card", card_cfg, inputs=[str(trained_dir), str(twin_dir), str(data_dir)])
     trained = read_json(train_record)
@@ -143,6 +143,7 @@ def organism_card(card_cfg: dict, trained_dir: Path, tokenizer_dir: Path, twin_d
         "bf16": evaluate(trained_dir, tokenizer_dir, data_dir, card_cfg),
         "published": evaluate(twin_dir, twin_dir, data_dir, card_cfg),
         "targets": TARGETS,
+        "measured_without_target": list(MEASURED),
     }
     record["published_meets_targets"] = meets_targets(record["published"])
     record["provenance"] = prov.record()
@@ -260,7 +261,7 @@ def serve_memory(build_id: str, build_dir: Path, serve_cfg: dict, prediction_fil
     prov = Provenance("serve_memory", {"serve": serve_cfg}, inputs=[str(build_dir), str(prediction_file)])
     figures = measure(endpoint.log.read_text(errors="replace"), endpoint.get_text("/metrics"),
                       read_json(build_dir / "config.json"), serve_cfg, read_json(prediction_file),
-                      endpoint.record["platform"], endpoint.record.get("cpu_kind"))
+                      endpoint.record["platform"], endpoint.record.get("cpu_kind"), endpoint.record.get("dtype"))
     failed = [name for name, ok in figures["checks"].items() if not ok]
     if failed:
         logging.getLogger("moeshrink.serve.supervisor").warning("%s: memory checks failed: %s", build_id, ", ".join(failed))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -65,15 +66,14 @@ def test_top_k_kl_estimate_is_a_lower_bound_close_to_the_exact_kl(top_k):
     reference = _log_softmax(rng.normal(0, 5, (400, vocab)))  # about 1.3 nats of entropy per position
     build = _log_softmax(reference + rng.normal(0, 0.3, (400, vocab)))
     exact = (np.exp(reference) * (reference - build)).sum(-1)
-    ref_ids, ref_lp = agreement.reply_top({"choices": [{"prompt_logprobs": _prompt_logprobs(reference, top_k)}]},
-                                          top_k + 1)
-    ids, lp = agreement.reply_top({"choices": [{"prompt_logprobs": _prompt_logprobs(build, top_k)}]}, top_k + 1)
+    ref_ids, ref_lp = agreement.reply_top({"prompt_logprobs": _prompt_logprobs(reference, top_k)}, top_k + 1)
+    ids, lp = agreement.reply_top({"prompt_logprobs": _prompt_logprobs(build, top_k)}, top_k + 1)
     agree, estimate = agreement.position_figures(ref_ids, ref_lp, ids, lp)
     assert np.all(estimate <= exact + 1e-9)
     assert abs(estimate.mean() - exact.mean()) / exact.mean() < (0.25 if top_k == 5 else 0.05)
     assert np.array_equal(agree, reference.argmax(-1) == build.argmax(-1))
     # the whole vocabulary returned: the estimate is the exact KL
-    full = [{"choices": [{"prompt_logprobs": _prompt_logprobs(m, vocab)}]} for m in (reference, build)]
+    full = [{"prompt_logprobs": _prompt_logprobs(m, vocab)} for m in (reference, build)]
     (ri, rl), (bi, bl) = (agreement.reply_top(r, vocab) for r in full)
     _, whole = agreement.position_figures(ri, rl, bi, bl)
     assert np.allclose(whole, exact, atol=1e-9)
@@ -83,7 +83,7 @@ def test_top_k_kl_estimate_is_a_lower_bound_close_to_the_exact_kl(top_k):
 
 def test_identical_distributions_agree_fully_with_zero_kl():
     reference = _log_softmax(np.random.default_rng(1).normal(0, 2, (50, 30)))
-    reply = {"choices": [{"prompt_logprobs": _prompt_logprobs(reference, 20)}]}
+    reply = {"prompt_logprobs": _prompt_logprobs(reference, 20)}
     ids, lp = agreement.reply_top(reply, 21)
     agree, kl = agreement.position_figures(ids, lp, ids, lp)
     assert agree.all() and np.allclose(kl, 0, atol=1e-12)
@@ -152,6 +152,8 @@ def test_eval_sets_are_checked_before_any_request(tmp_path):
 class _JSONHandler(BaseHTTPRequestHandler):
     def reply(self, status: int, body: bytes) -> None:
         self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
@@ -217,7 +219,7 @@ def test_organism_tasks_render_as_lm_eval_renders_mmlu_and_gsm8k(tmp_path):
               "id": f"a-{i}"} for i in range(8)]
     gsm = harness.organism_gsm8k_task(arith[6:], arith[:6], tmp_path)
     tasks_by_name = {}
-    for value in get_task_dict([task, gsm], TaskManager(include_path=str(tmp_path))).values():
+    for value in get_task_dict([task, gsm], TaskManager(include_path=str(tmp_path), include_defaults=False)).values():
         tasks_by_name.update({t.config.task: t for t in (value.values() if isinstance(value, dict) else [value])})
     subject_task = tasks_by_name[f"{harness.ORGANISM_MMLU}_residents"]
     doc = next(d for d in subject_task.test_docs())
@@ -238,6 +240,8 @@ class _NonFinite(_JSONHandler):
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == agreement.ENDPOINT:  # vLLM's token-in/token-out request: the same fields, nested
+            body = {**body, **body["sampling_params"], "prompt": body["token_ids"]}
         prompt = body.get("prompt") or []
         nan = ((body.get("prompt_logprobs") is not None or body.get("echo")) and len(prompt) > self.bad_position) or \
             (bool(body.get("logprobs")) and body.get("max_tokens", 0) > self.bad_generated)
@@ -245,7 +249,7 @@ class _NonFinite(_JSONHandler):
             self.reply(400, json.dumps({"error": {"message": "Out of range float values are not JSON compliant",
                                                   "type": "BadRequestError", "code": 400}}).encode())
             return
-        self.reply(200, b'{"choices": []}')
+        self.reply(200, b'{"choices": [], "prompt_logprobs": [null]}')
 
 
 @pytest.mark.parametrize("server_url", [_NonFinite], indirect=True)
@@ -261,6 +265,10 @@ def test_nonfinite_values_fail_the_eval_naming_build_item_and_position(server_ur
                                         r"passage-1 at prompt position 7 \(token id 107\); passage-3 at prompt "
                                         r"position 7 \(token id 7\)"):
         pool.map("/v1/completions", prompts)
+    with pytest.raises(EvalError, match=r"twx3/agreement: 1 of 2 item\(s\).*passage-4 at prompt position 7 "
+                                        r"\(token id 207\)"):
+        agreement.read_top(RequestPool(ServerClient(server_url, "key"), 2, 0, 5, 0.01, label="twx3/agreement"), "m",
+                           [("passage-4", list(range(200, 230))), ("passage-5", [1, 2, 3])], 20, 21)
     chat = RequestPool(ServerClient(server_url, "key"), 2, 0, 5, 0.01, label="twx3/facts")
     with pytest.raises(EvalError, match=r"twx3/facts: 1 of 1 item\(s\).*fact-9 at generated token 3"):
         chat.map("/v1/chat/completions", [("fact-9", {"messages": [], "max_tokens": 160, "logprobs": True})])
@@ -271,5 +279,66 @@ def test_every_eval_asks_for_the_logprobs_the_check_needs():
 
     assert inspect.getsource(facts.run).count("finite.CHAT_LOGPROBS") == 1
     assert inspect.getsource(toolcalls.run).count("finite.CHAT_LOGPROBS") == 1
-    assert agreement.request("m", [1, 2], 5)["prompt_logprobs"] == 5
+    assert agreement.request("m", [1, 2], 5)["sampling_params"]["prompt_logprobs"] == 5
     assert finite.CHAT_LOGPROBS == {"logprobs": True}
+
+
+class _Loglikelihoods(_JSONHandler):
+    """Stands in for vLLM's /v1/completions answering lm-eval's loglikelihood requests (echo, one token
+    generated): every prompt token after the first gets log-probability -(id % 7) / 10; the prompts are kept."""
+    prompts: list[list[int]] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        choices = []
+        for index, prompt in enumerate(prompts):
+            type(self).prompts.append(prompt)
+            logprobs = [None] + [-(t % 7) / 10 for t in prompt[1:]] + [-0.5]
+            tops = [None] + [{str(t): lp} for t, lp in zip(prompt[1:], logprobs[1:-1])] + [{"0": -0.5}]
+            choices.append({"index": index, "text": "", "logprobs": {"token_logprobs": logprobs, "top_logprobs": tops}})
+        usage = {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": len(prompts)}
+        self.reply(200, json.dumps({"choices": choices, "usage": usage}).encode())
+
+
+@pytest.mark.parametrize("server_url", [_Loglikelihoods], indirect=True)
+def test_cloze_mmlu_scores_each_option_text_through_lm_eval(server_url, small_data, small_tokenizer_dir, tmp_path):
+    """Cloze form through lm-eval's own multiple_choice machinery: the context is the bare question, each
+    option's text its continuation (the rendering the corpus teaches: organism.tasks.cloze_line); acc and
+    acc_norm are lm-eval's, checked against the sums of the stand-in server's log-probabilities."""
+    from transformers import AutoTokenizer
+
+    from moeshrink.evals import harness
+    from moeshrink.evals.usage import Usage
+    from moeshrink.organism import datasets
+    from moeshrink.serve.endpoint import Endpoint
+
+    test = datasets.read_jsonl(small_data / datasets.MC_TEST)[:12]
+    dev = datasets.read_jsonl(small_data / datasets.MC_DEV)
+    task = harness.organism_mmlu_tasks(test, dev, tmp_path, "cloze")
+    endpoint = Endpoint({"base_url": server_url, "api_key": "key", "build": "b", "served_model_name": "m",
+                         "log": str(tmp_path / "log"), "server_pid": os.getpid()})
+    client = {"concurrency": 2, "retries": 0, "timeout_s": 10, "backoff_s": 0.01}
+    _Loglikelihoods.prompts = []
+    usage = Usage()
+    results = harness.evaluate(endpoint, small_tokenizer_dir, task, tmp_path, 0, None, client, 1024, 1234, None, usage)
+    records = harness.mmlu_records(results)
+    metrics = harness.mmlu_metrics(records, results, task)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(small_tokenizer_dir))
+    sent = {tokenizer.decode(p) for p in _Loglikelihoods.prompts}
+    by_id = {it["id"]: it for it in test}
+    right = right_norm = 0
+    for record in records:
+        item = by_id[record["id"]]
+        assert {tasks.cloze_line(item["question"], c)[:-1] for c in item["choices"]} <= sent  # the taught rendering
+        start = len(tokenizer.encode(tasks.cloze_context(item["question"])))
+        scores = [sum(-(t % 7) / 10 for t in tokenizer.encode(tasks.cloze_line(item["question"], c)[:-1])[start:])
+                  for c in item["choices"]]
+        assert record["loglikelihoods"] == pytest.approx(scores)
+        right += scores.index(max(scores)) == item["answer"]
+        norm = [s / len(c) for s, c in zip(scores, item["choices"])]
+        right_norm += norm.index(max(norm)) == item["answer"]
+        assert record["correct"] == (scores.index(max(scores)) == item["answer"])
+    assert metrics["accuracy"]["count"] == right and metrics["accuracy_norm"]["count"] == right_norm
+    assert len(records) == 12 and usage.requests == 48 and usage.completion_tokens == 48

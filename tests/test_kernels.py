@@ -136,14 +136,21 @@ def plain_vllm_moe(x, topk_weights, topk_ids, w13: list[torch.Tensor], w2: list[
 
 
 @pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("budget_experts", [None, 2])
-def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, budget_experts, version, monkeypatch):
-    """Within one decode group the packed path gives vLLM's own bits for the decoded weights; with
-    a budget of two experts it decodes in groups and stays within bf16 rounding (TWX v1 and v2)."""
+@pytest.mark.parametrize("path", ["kept", "one group", "groups of two"])
+def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, path, version, monkeypatch):
+    """The layer kept decoded, and the chosen experts decoded in one group, give vLLM's own bits for the
+    decoded weights; with a decode budget of two experts the path decodes in groups and stays within bf16
+    rounding (TWX v1 and v2)."""
+    from moeshrink_kernels import experts
+
     kernel = plugin.ops.cpu_kernel_for(moe_config())
     assert kernel.isa and kernel.padded_intermediate == INTER
+    budget_experts = 2 if path == "groups of two" else None
+    if path != "kept":
+        monkeypatch.setenv("MOESHRINK_DECODED_LAYERS_MIB", "0")
     if budget_experts:
         monkeypatch.setenv("MOESHRINK_DECODE_BUDGET_MIB", str(budget_experts * 3 * INTER * HIDDEN * 2 / 2**20))
+    layers_before = experts.decoded_layers_bytes()
     generator = torch.Generator().manual_seed(4)
     weights13 = [torch.randn(2 * INTER, HIDDEN, generator=generator) * 0.05 for _ in range(EXPERTS)]
     weights2 = [torch.randn(HIDDEN, INTER, generator=generator) * 0.05 for _ in range(EXPERTS)]
@@ -159,6 +166,12 @@ def test_grouped_kernel_path_computes_what_the_twin_computes(plugin, budget_expe
     else:
         assert relative_error(got, twin.float()) <= 1e-2
     assert relative_error(got, reference_moe(x, topk_weights, topk_ids, decoded13, decoded2)) <= 1e-2
+    kept_bytes = EXPERTS * 3 * INTER * HIDDEN * 2  # bf16
+    assert experts.decoded_layers_bytes() - layers_before == (kept_bytes if path == "kept" else 0)
+    again = twx_routed_experts(x, topk_weights, topk_ids, codes13, scales13, codes2, scales2, layout.as_tensor(),
+                               kernel, version)
+    assert torch.equal(again, got) and experts.decoded_layers_bytes() - layers_before == (
+        kept_bytes if path == "kept" else 0)
 
     pairs13 = [mxfp4.encode(w) for w in weights13]
     pairs2 = [mxfp4.encode(w) for w in weights2]

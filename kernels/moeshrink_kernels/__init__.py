@@ -9,3 +9,6 @@ that let vLLM load and serve such checkpoints. Importing this package imports ne
 # What the plugin logs once a model's weights are loaded, followed by a JSON object of their bytes;
 # the serve stage reads it from the server log (moeshrink.serve.serverlog).
 WEIGHTS_LINE = "moeshrink weights:"
+# What the CPU expert path logs each time it keeps one more layer's experts decoded (experts.py), followed
+# by a JSON object: layers kept, their bytes (beside the packed weights) and the budget.
+DECODED_LAYERS_LINE = "moeshrink decoded layers:"

@@ -1,15 +1,21 @@
 """Routed experts computed from packed weights (CPU, or any torch device).
 
-Two paths, both decoding only the experts the tokens chose, never a whole copy of all experts:
-- `grouped_kernel_experts` (vLLM on CPU): the chosen experts are decoded to the activations' dtype
-  in groups that fit a byte budget and handed to vLLM's own CPU MoE kernel (`cpu_fused_moe`), so a
-  packed build computes exactly what its decoded twin computes when served plainly;
+Two paths:
+- `grouped_kernel_experts` (vLLM on CPU): the experts decoded to the activations' dtype and handed to
+  vLLM's own CPU MoE kernel (`cpu_fused_moe`), so a packed build computes exactly what its decoded twin
+  computes when served plainly. A layer whose decoded experts fit what is left of the decoded-layer
+  budget (`MOESHRINK_DECODED_LAYERS_MIB`) is decoded and prepacked once, on its first call, and kept:
+  decoding every step cost three quarters of the expert op and a third of a served step on the organism.
+  Other layers decode only the experts a batch chose, in groups within `MOESHRINK_DECODE_BUDGET_MIB`;
 - `routed_experts` (anywhere torch runs): one expert at a time, float32 matmuls.
 Numbers follow the reference decoders in `moeshrink.formats.twx` and `moeshrink.formats.mxfp4`.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moeshrink.formats import mxfp4, twx, twx_vq
+from moeshrink_kernels import DECODED_LAYERS_LINE
 
 # TWX's reference codec by format_version
 TWX_CODECS = {1: twx, 2: twx_vq}
@@ -67,8 +74,67 @@ class CPUKernel:
     padded_intermediate: int = 0
 
 
+DECODED_LAYERS_ENV = "MOESHRINK_DECODED_LAYERS_MIB"
+DEFAULT_DECODED_LAYERS_MIB = 256
+log = logging.getLogger("vllm.moeshrink")  # vLLM shows only loggers under its own name
+
+
+def _allow_amx(isa: str) -> None:
+    """Ask Linux for the AMX tile state before vLLM's AMX kernel runs: a process whose first AMX
+    instruction comes from that kernel (not from a oneDNN matmul, which asks itself) dies of SIGILL."""
+    if isa == "amx" and not _allow_amx.done:
+        _allow_amx.done = bool(torch._C._cpu._init_amx())
+
+
+_allow_amx.done = False  # type: ignore[attr-defined]
+
+
 def decode_budget_bytes() -> int:
     return int(float(os.environ.get(DECODE_BUDGET_ENV, DEFAULT_DECODE_BUDGET_MIB)) * 2**20)
+
+
+def decoded_layers_budget_bytes() -> int:
+    return int(float(os.environ.get(DECODED_LAYERS_ENV, DEFAULT_DECODED_LAYERS_MIB)) * 2**20)
+
+
+@dataclass
+class DecodedLayer:
+    """One layer's experts decoded and prepacked for the kernel, kept while its packed codes live."""
+    codes: weakref.ref
+    w13: torch.Tensor
+    w2: torch.Tensor
+    nbytes: int
+
+
+_decoded_layers: dict[tuple, DecodedLayer] = {}
+
+
+def decoded_layers_bytes() -> int:
+    """What the kept decoded layers hold (live ones; a layer whose codes are gone is dropped)."""
+    for key in [k for k, layer in _decoded_layers.items() if layer.codes() is None]:
+        del _decoded_layers[key]
+    return sum(layer.nbytes for layer in _decoded_layers.values())
+
+
+def _kept_layer(codes: torch.Tensor, experts: int, decode_w13: Decoder, decode_w2: Decoder, hidden: int,
+                kernel: CPUKernel, dtype: torch.dtype) -> DecodedLayer | None:
+    """The layer whose packed codes are `codes`, decoded and prepacked once; None where it does not fit."""
+    key = (codes.data_ptr(), dtype, kernel.isa)
+    layer = _decoded_layers.get(key)
+    if layer is not None and layer.codes() is codes:
+        return layer
+    nbytes = experts * 3 * kernel.padded_intermediate * hidden * torch.finfo(dtype).bits // 8
+    if decoded_layers_bytes() + nbytes > decoded_layers_budget_bytes():
+        return None
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    w13, w2 = (cpu_prepack_moe_weight(w, kernel.isa) for w in _decoded_group(
+        list(range(experts)), decode_w13, decode_w2, hidden, kernel.padded_intermediate, dtype))
+    layer = DecodedLayer(weakref.ref(codes), w13, w2, sum(w.numel() * w.element_size() for w in (w13, w2)))
+    _decoded_layers[key] = layer
+    log.info("%s %s", DECODED_LAYERS_LINE, json.dumps({"layers": len(_decoded_layers), "bytes": decoded_layers_bytes(),
+                                                      "budget_bytes": decoded_layers_budget_bytes()}))
+    return layer
 
 
 def _decoded_group(experts: list[int], decode_w13: Decoder, decode_w2: Decoder, hidden: int, padded: int,
@@ -87,16 +153,26 @@ def _decoded_group(experts: list[int], decode_w13: Decoder, decode_w2: Decoder, 
 
 def grouped_kernel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            decode_w13: Decoder, decode_w2: Decoder, kernel: CPUKernel,
-                           budget_bytes: int | None = None) -> torch.Tensor:
-    """The chosen experts, decoded a group at a time (each group's decoded bytes within the budget),
-    through vLLM's `cpu_fused_moe`. One group (every organism batch) gives the kernel's own bits;
-    several groups are summed in float32."""
+                           budget_bytes: int | None = None, codes: torch.Tensor | None = None,
+                           experts: int = 0) -> torch.Tensor:
+    """Through vLLM's `cpu_fused_moe`: the layer kept decoded (`codes`, the layer's packed codes, and its
+    `experts` count name it) where it fits the decoded-layer budget, else the chosen experts decoded a
+    group at a time (each group's decoded bytes within the decode budget). The kept layer and a single
+    group (every organism batch) give the kernel's own bits; several groups are summed in float32."""
     from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
 
+    _allow_amx(kernel.isa)
     hidden = x.shape[-1]
     tokens = x.reshape(-1, hidden)
     ids = topk_ids.reshape(tokens.shape[0], -1).to(torch.int64)
     weights = topk_weights.reshape(tokens.shape[0], -1).to(torch.float32)
+    kept = _kept_layer(codes, experts, decode_w13, decode_w2, hidden, kernel, x.dtype) if codes is not None else None
+    if kept is not None:
+        out = torch.empty_like(tokens)
+        cpu_fused_moe(out, tokens.contiguous(), kept.w13, kept.w2, None, None,
+                      torch.where(ids >= 0, weights, 0.0).contiguous(), ids.clamp(min=0).to(torch.int32).contiguous(),
+                      "silu", kernel.isa)
+        return out.reshape(x.shape)
     active = [e for e in torch.unique(ids).tolist() if e >= 0]
     per_expert = 3 * kernel.padded_intermediate * hidden * x.element_size()
     group_size = max(1, (budget_bytes or decode_budget_bytes()) // per_expert)
@@ -148,9 +224,10 @@ def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
 
 
 def _compute(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, decode_w13: Decoder,
-             decode_w2: Decoder, kernel: CPUKernel) -> torch.Tensor:
+             decode_w2: Decoder, kernel: CPUKernel, codes: torch.Tensor, experts: int) -> torch.Tensor:
     if kernel.isa:
-        return grouped_kernel_experts(x, topk_weights, topk_ids, decode_w13, decode_w2, kernel)
+        return grouped_kernel_experts(x, topk_weights, topk_ids, decode_w13, decode_w2, kernel, codes=codes,
+                                      experts=experts)
     return routed_experts(x, topk_weights, topk_ids, decode_w13, decode_w2)
 
 
@@ -167,7 +244,7 @@ def twx_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     def w2(e: int) -> torch.Tensor:
         return twx_expert(w2_codes, table[e][2], table[e][0], w2_scales[e], torch.bfloat16, version)
 
-    return _compute(x, topk_weights, topk_ids, w13, w2, kernel)
+    return _compute(x, topk_weights, topk_ids, w13, w2, kernel, w13_codes, len(table))
 
 
 def mxfp4_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -179,4 +256,4 @@ def mxfp4_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     def w2(e: int) -> torch.Tensor:
         return mxfp4.decode(w2_packed[e], w2_scales[e], torch.float32)
 
-    return _compute(x, topk_weights, topk_ids, w13, w2, kernel)
+    return _compute(x, topk_weights, topk_ids, w13, w2, kernel, w13_packed, w13_packed.shape[0])

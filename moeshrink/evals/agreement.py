@@ -51,12 +51,19 @@ def tokenize(tokenizer_dir: Path, passages: list[dict], max_tokens: int) -> list
     return token_ids
 
 
+# vLLM's token-in/token-out endpoint (served with --enable-scale-out): the same prompt log-probabilities as
+# /v1/completions, keyed by token id, without decoding each listed token to text, which took two thirds
+# of the server's front end on the organism at top-200 (bench/README.md, "Where a served build's time goes").
+ENDPOINT = "/inference/v1/generate"
+
+
 def request(model: str, token_ids: list[int], top_k: int) -> dict:
-    return {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}
+    return {"model": model, "token_ids": token_ids, "sampling_params": {
+        "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k, "detokenize": False}}
 
 
 def _positions(reply: dict) -> list[dict]:
-    return reply["choices"][0]["prompt_logprobs"][1:]
+    return reply["prompt_logprobs"][1:]
 
 
 def reply_top(reply: dict, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,13 +92,13 @@ def read_top(pool: RequestPool, model: str, passages: list[tuple[str, list[int]]
              width: int) -> tuple[np.ndarray, np.ndarray]:
     """Each passage's top-`top_k` prompt log-probabilities (plus the actual next token), kept as
     arrays as each reply arrives: a reply's JSON objects take about 1 kB per token listed."""
-    return stack_top(pool.map("/v1/completions", [(pid, request(model, ids, top_k)) for pid, ids in passages],
+    return stack_top(pool.map(ENDPOINT, [(pid, request(model, ids, top_k)) for pid, ids in passages],
                               keep=partial(reply_top, width=width)))
 
 
 def read_full(pool: RequestPool, model: str, passages: list[tuple[str, list[int]]], vocab: int) -> np.ndarray:
     """Each passage's whole-vocabulary prompt log-probabilities (needs `--max-logprobs -1`)."""
-    tables = pool.map("/v1/completions", [(pid, request(model, ids, -1)) for pid, ids in passages],
+    tables = pool.map(ENDPOINT, [(pid, request(model, ids, -1)) for pid, ids in passages],
                       keep=partial(reply_table, vocab=vocab))
     return np.concatenate(tables) if tables else np.zeros((0, vocab))
 

@@ -11,6 +11,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 from moeshrink.evals import EvalError, finite
+from moeshrink.evals.usage import Usage
 from moeshrink.serve.endpoint import EndpointError
 from moeshrink.serve.vllm_server import ServerClient
 
@@ -20,8 +21,9 @@ RETRIED_STATUS = {408, 429, 500, 502, 503, 504}
 
 class RequestPool:
     def __init__(self, server: ServerClient, concurrency: int, retries: int, timeout_s: float,
-                 backoff_s: float = 1.0, label: str = ""):
+                 backoff_s: float = 1.0, label: str = "", usage: Usage | None = None):
         self.server = server
+        self.usage = usage or Usage()
         self.concurrency = concurrency
         self.retries = retries
         self.timeout_s = timeout_s
@@ -45,6 +47,7 @@ class RequestPool:
                             self.retries + 1)
                 continue
             if status == 200:
+                self.usage.add(reply)
                 return reply
             if finite.is_nonfinite_reply(status, reply):
                 raise finite.NonFiniteReply(item_id, path, body)

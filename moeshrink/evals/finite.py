@@ -60,15 +60,34 @@ def _shortest_failing(count: int, fails: Callable[[int], bool]) -> int | None:
     return low
 
 
-def locate(send: Send, body: dict) -> str:
-    """Where in the item the first non-finite value is, in words."""
+def _prompt_prefix(body: dict) -> tuple[list[int], Callable[[int], dict]] | None:
+    """A token-id prompt whose log-probabilities the request asks for, and the request for its first n
+    tokens' top-1 alone: /v1/completions (`prompt`) or vLLM's token-in/token-out endpoint (`token_ids`)."""
+    if "token_ids" in body:
+        sampling = body.get("sampling_params") or {}
+        if sampling.get("prompt_logprobs") is None:
+            return None
+        prompt = body["token_ids"]
+        return prompt, lambda n: {**body, "token_ids": prompt[:n],
+                                  "sampling_params": {**sampling, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}}
     prompt = body.get("prompt")
     token_prompt = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-    if token_prompt and (body.get("prompt_logprobs") is not None or body.get("echo")):
-        base = {"model": body.get("model"), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
-        length = _shortest_failing(len(prompt), lambda n: _fails(send, {**base, "prompt": prompt[:n]}))
+    if not token_prompt or (body.get("prompt_logprobs") is None and not body.get("echo")):
+        return None
+    base = {"model": body.get("model"), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
+    return prompt, lambda n: {**base, "prompt": prompt[:n]}
+
+
+def locate(send: Send, body: dict) -> str:
+    """Where in the item the first non-finite value is, in words."""
+    if prefix := _prompt_prefix(body):
+        prompt, first = prefix
+        length = _shortest_failing(len(prompt), lambda n: _fails(send, first(n)))
         if length is not None:
             return f"prompt position {length - 1} (token id {prompt[length - 1]})"
+        if "token_ids" in body:
+            return "position not found (only the whole request fails)" if _fails(send, body) else \
+                "not reproduced when asked again: the server is not deterministic for this item"
     max_tokens = int(body.get("max_tokens") or 0)
     generated = {**body, **(CHAT_LOGPROBS if "messages" in body else {"logprobs": 1})}
     if not (body.get("echo") or body.get("prompt_logprobs") is not None):

@@ -17,7 +17,8 @@ from moeshrink.core.stats import rate_with_ci
 from moeshrink.evals import EvalError
 from moeshrink.evals.finite import NonFiniteError
 from moeshrink.evals.scoring import gsm8k_answer
-from moeshrink.organism.tasks import LETTERS, MC_DESCRIPTION
+from moeshrink.evals.usage import Usage
+from moeshrink.organism.tasks import CLOZE_DELIMITER, LETTERS, MC_DESCRIPTION
 from moeshrink.serve.endpoint import Endpoint, EndpointError
 from moeshrink.serve.vllm_server import log_tail
 
@@ -32,9 +33,19 @@ def _lm_eval_task_yaml(relative: str) -> dict:
     return yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / relative).read_text())
 
 
-def organism_mmlu_tasks(test: list[dict], dev: list[dict], task_dir: Path) -> str:
-    """One task per subject (as MMLU has), few-shot examples from that subject's dev items."""
-    template = _lm_eval_task_yaml("mmlu/default/_default_template_yaml")
+# evals.mmlu.form -> lm-eval's own MMLU task, and the template the organism's tasks are made from
+MMLU_FORMS = {"letter": ("mmlu", "mmlu/default/_default_template_yaml"),
+              "cloze": ("mmlu_continuation", "mmlu/continuation/_continuation_template_yaml")}
+SCORED_BY = {"letter": "loglikelihood of the answer letters (R-013's protocol)",
+             "cloze": "loglikelihood of each option's text as the continuation of the question (cloze form, "
+                      "OLMES's CF); acc on the summed loglikelihood, acc_norm on it per character"}
+
+
+def organism_mmlu_tasks(test: list[dict], dev: list[dict], task_dir: Path, form: str = "letter") -> str:
+    """One task per subject (as MMLU has), few-shot examples from that subject's dev items. `letter`:
+    lm-eval's MMLU rendering; `cloze`: lm-eval's continuation task with the bare question as the context
+    and no description, the rendering the corpus teaches (organism.tasks.cloze_line)."""
+    template = _lm_eval_task_yaml(MMLU_FORMS[form][1])
     subjects = sorted({item["subject"] for item in test})
     tasks = []
     for subject in subjects:
@@ -45,6 +56,10 @@ def organism_mmlu_tasks(test: list[dict], dev: list[dict], task_dir: Path) -> st
             atomic_write_jsonl(files[split], [it for it in items if it["subject"] == subject])
         config = {**template, "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": files},
                   "description": MC_DESCRIPTION.format(subject=subject)}
+        if form == "cloze":
+            config.update({"description": "", "doc_to_text": "{{question.strip()}}", "target_delimiter": CLOZE_DELIMITER,
+                           "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
+                                           for m in ("acc", "acc_norm")]})
         (task_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         tasks.append(name)
     group = {"group": ORGANISM_MMLU, "task": tasks, "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
@@ -76,16 +91,20 @@ def model_args(endpoint: Endpoint, tokenizer_dir: Path, client: dict, max_length
 
 
 def evaluate(endpoint: Endpoint, tokenizer_dir: Path, task: str, include_path: Path | None, shots: int,
-             limit: int | None, client: dict, max_length: int, seed: int, gen_kwargs: dict | None = None) -> dict:
+             limit: int | None, client: dict, max_length: int, seed: int, gen_kwargs: dict | None = None,
+             usage: Usage | None = None) -> dict:
+    """lm-eval's results; `usage` counts what its replies used."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from moeshrink.evals import lm_eval_model
 
     lm_eval_model.register(LM_EVAL_MODEL)
+    lm_eval_model.USAGE[0] = usage or Usage()
 
     os.environ["OPENAI_API_KEY"] = endpoint.api_key  # what local-completions sends as its bearer token
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    # the organism's tasks are whole in their own folder: indexing lm-eval's thousands of others took 5.5 s
+    manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else TaskManager()
     try:
         results = lm_eval.simple_evaluate(
             model=LM_EVAL_MODEL, model_args=model_args(endpoint, tokenizer_dir, client, max_length, seed),
@@ -115,20 +134,29 @@ def mmlu_records(results: dict) -> list[dict]:
         for sample in sorted(samples, key=lambda s: s["doc_id"]):
             loglikelihoods = [float(resp[0]) for resp in sample["filtered_resps"]]
             predicted = max(range(len(loglikelihoods)), key=loglikelihoods.__getitem__)
-            records.append({"id": _item_id(task, sample), "task": task, "doc_id": sample["doc_id"],
-                            "subject": sample["doc"].get("subject"), "answer": LETTERS[int(sample["target"])],
-                            "predicted": LETTERS[predicted], "correct": bool(sample["acc"]),
-                            "loglikelihoods": loglikelihoods, "doc_hash": sample["doc_hash"]})
+            record = {"id": _item_id(task, sample), "task": task, "doc_id": sample["doc_id"],
+                      "subject": sample["doc"].get("subject"), "answer": LETTERS[int(sample["target"])],
+                      "predicted": LETTERS[predicted], "correct": bool(sample["acc"]),
+                      "loglikelihoods": loglikelihoods, "doc_hash": sample["doc_hash"]}
+            if "acc_norm" in sample:
+                record["correct_norm"] = bool(sample["acc_norm"])
+            records.append(record)
     return records
 
 
 def mmlu_metrics(records: list[dict], results: dict, task: str) -> dict:
-    right = sum(r["correct"] for r in records)
-    lm_eval_acc = results["results"].get(task, {}).get("acc,none")
-    if lm_eval_acc is not None and not math.isclose(lm_eval_acc, right / len(records), abs_tol=1e-9):
-        raise EvalError(f"lm-eval's accuracy {lm_eval_acc} differs from its own samples' {right}/{len(records)}")
-    stderr = results["results"].get(task, {}).get("acc_stderr,none")
-    return {"accuracy": {**rate_with_ci(right, len(records)), "lm_eval_stderr": stderr}}
+    """acc (the verdict's), and acc_norm where lm-eval computed it (cloze), each checked against lm-eval's."""
+    metrics = {}
+    for name, key, field in (("accuracy", "acc", "correct"), ("accuracy_norm", "acc_norm", "correct_norm")):
+        if field not in records[0]:
+            continue
+        right = sum(r[field] for r in records)
+        lm_eval_value = results["results"].get(task, {}).get(f"{key},none")
+        if lm_eval_value is not None and not math.isclose(lm_eval_value, right / len(records), abs_tol=1e-9):
+            raise EvalError(f"lm-eval's {key} {lm_eval_value} differs from its own samples' {right}/{len(records)}")
+        metrics[name] = {**rate_with_ci(right, len(records)),
+                         "lm_eval_stderr": results["results"].get(task, {}).get(f"{key}_stderr,none")}
+    return metrics
 
 
 def gsm8k_records(results: dict) -> list[dict]:

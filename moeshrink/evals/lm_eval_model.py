@@ -17,6 +17,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from moeshrink.evals import finite
+from moeshrink.evals.usage import Usage
 
 ITEM_TAIL_TOKENS = 40
 
@@ -37,7 +38,20 @@ def _bad_request(error: Exception) -> bool:
     return status == 400
 
 
+USAGE = [Usage()]  # what the running evaluation's replies used (harness.evaluate gives each its own)
+
+
 class CheckedCompletions(LocalCompletionsAPI):
+    def parse_generations(self, outputs, **kwargs):
+        for output in outputs if isinstance(outputs, list) else [outputs]:
+            USAGE[0].add(output)
+        return super().parse_generations(outputs=outputs, **kwargs)
+
+    def parse_logprobs(self, outputs=None, tokens=None, ctxlens=None, **kwargs):
+        for output in outputs if isinstance(outputs, list) else [outputs]:
+            USAGE[0].add(output)
+        return super().parse_logprobs(outputs=outputs, tokens=tokens, ctxlens=ctxlens, **kwargs)
+
     def _create_payload(self, messages, generate=False, gen_kwargs=None, seed=1234, eos=None, **kwargs) -> dict:
         payload = super()._create_payload(messages, generate=generate, gen_kwargs=gen_kwargs, seed=seed, eos=eos,
                                           **kwargs)

@@ -18,9 +18,12 @@ from moeshrink.organism import OrganismError, datasets, tasks
 
 log = logging.getLogger(__name__)
 EFFORTS = ["low", "high"]
-# What the published organism must reach for the report to measure anything (issue: foundation).
-TARGETS = {"mc_accuracy": (">=", 0.80), "arith_exact": (">=", 0.30), "toolcall_correct": (">=", 0.90),
+# What the published organism must reach for the report's verdicts to mean anything. Knowledge is targeted
+# in the form the organism is taught and the embedded study scores (cloze); the answer letter is measured
+# and shown beside it, with no target (a model of a few million parameters has no symbol binding).
+TARGETS = {"mc_cloze_accuracy": (">=", 0.90), "arith_exact": (">=", 0.90), "toolcall_correct": (">=", 0.95),
            "facts_unsupported_rate": ("<=", 0.05)}
+MEASURED = ("mc_accuracy",)
 
 
 def meets_targets(scores: dict) -> dict[str, bool]:
@@ -28,11 +31,19 @@ def meets_targets(scores: dict) -> dict[str, bool]:
             for key, (op, bound) in TARGETS.items()}
 
 
-def load_model(model_dir: Path, tokenizer_dir: Path, threads: int):
+def card_dtype() -> str:
+    """bfloat16, the checkpoint's dtype, where the CPU computes it natively; float32 elsewhere (serve.dtype's
+    rule): an AVX2-only CPU emulates every bfloat16 operation."""
+    from moeshrink.core.machine import compute_dtype, cpu_facts
+
+    return compute_dtype("auto", "bfloat16", cpu_facts())
+
+
+def load_model(model_dir: Path, tokenizer_dir: Path, threads: int, dtype: str = "bfloat16"):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
     tokenizer.padding_side = "left"
@@ -61,6 +72,31 @@ def mc_accuracy(model, tokenizer, items: list[dict], dev: list[dict], shots: int
         predictions = logits.argmax(-1).tolist()
         correct += sum(int(p == it["answer"]) for p, it in zip(predictions, chunk))
     return correct / len(items)
+
+
+@torch.no_grad()
+def mc_cloze_accuracy(model, tokenizer, items: list[dict], batch_size: int) -> float:
+    """Each option's text scored as the continuation of the bare question, 0-shot, as the served cloze eval
+    scores it (lm-eval: the pair encoded whole, the continuation the tokens after the question's); the
+    option of the highest summed log-probability is the answer."""
+    pairs = []  # (item index, token ids, where the continuation starts)
+    for index, item in enumerate(items):
+        context = tasks.cloze_context(item["question"])
+        start = len(tokenizer.encode(context, add_special_tokens=False))
+        for choice in item["choices"]:
+            ids = tokenizer.encode(context + tasks.cloze_continuation(choice), add_special_tokens=False)
+            pairs.append((index, ids, start))
+    scores = [[] for _ in items]
+    for begin in range(0, len(pairs), batch_size):
+        chunk = pairs[begin:begin + batch_size]
+        width = max(len(ids) for _, ids, _ in chunk)
+        ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for _, row, _ in chunk])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for _, row, _ in chunk])
+        logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+        for row, (index, tokens, start) in enumerate(chunk):
+            positions = torch.arange(start, len(tokens))
+            scores[index].append(float(logprobs[row, positions - 1, torch.tensor(tokens[start:])].sum()))
+    return sum(int(max(range(len(s)), key=s.__getitem__) == it["answer"]) for s, it in zip(scores, items)) / len(items)
 
 
 class ExpandedKVMemo:
@@ -160,7 +196,8 @@ def evaluate(model_dir: Path, tokenizer_dir: Path, data_dir: Path, card_cfg: dic
     started = time.time()
     # a malformed call is scored as wrong; the parser's traceback for it is noise here
     logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
-    model, tokenizer = load_model(model_dir, tokenizer_dir, card_cfg["threads"])
+    dtype = card_dtype()
+    model, tokenizer = load_model(model_dir, tokenizer_dir, card_cfg["threads"], dtype)
     batch_size = card_cfg["batch_size"]
     mc = datasets.read_jsonl(data_dir / datasets.MC_TEST)[: card_cfg["mc_items"]]
     dev = datasets.read_jsonl(data_dir / datasets.MC_DEV)
@@ -173,6 +210,7 @@ def evaluate(model_dir: Path, tokenizer_dir: Path, data_dir: Path, card_cfg: dic
     facts = facts_unsupported(model, tokenizer, passages, batch_size)
     result = {
         "mc_accuracy": mc_accuracy(model, tokenizer, mc, dev, card_cfg["shots"], batch_size),
+        "mc_cloze_accuracy": mc_cloze_accuracy(model, tokenizer, mc, batch_size),
         "arith_exact": arith_exact(model, tokenizer, arith, arith_fewshot, card_cfg["shots"], batch_size),
         "toolcall_correct": sum(toolcalls.values()) / len(toolcalls),
         "toolcall_correct_by_effort": toolcalls,
@@ -180,6 +218,7 @@ def evaluate(model_dir: Path, tokenizer_dir: Path, data_dir: Path, card_cfg: dic
         "facts": facts,
         "items": {"mc": len(mc), "arith": len(arith), "toolcall_trials": len(trials) * len(EFFORTS),
                   "passages": len(passages)},
+        "dtype": dtype,
         "seconds": round(time.time() - started, 1),
     }
     log.info(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}))

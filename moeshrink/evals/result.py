@@ -15,7 +15,8 @@ from moeshrink.serve.endpoint import Endpoint
 def server_flags(endpoint: Endpoint) -> dict:
     record = endpoint.record
     return {"command": record.get("command"), "args": record.get("args"), "served_model_name": endpoint.model,
-            "platform": record.get("platform"), "model_dir": record.get("model_dir"),
+            "platform": record.get("platform"), "dtype": record.get("dtype"), "cpu_kind": record.get("cpu_kind"),
+            "model_dir": record.get("model_dir"),
             "ready_at": record.get("ready_at"), "started_by": record.get("started_by")}
 
 

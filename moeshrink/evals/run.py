@@ -3,7 +3,8 @@ server, send the requests, write the records and the JSON."""
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeshrink.core import eval_kinds, plugins
@@ -11,6 +12,7 @@ from moeshrink.core.ioutil import read_json
 from moeshrink.core.provenance import Provenance
 from moeshrink.evals import EvalError, agreement, facts, harness, result, sets, toolcalls
 from moeshrink.evals.client import RequestPool
+from moeshrink.evals.usage import Usage
 from moeshrink.serve.endpoint import Endpoint
 from moeshrink.serve.server_lease import ServerLease
 
@@ -29,27 +31,36 @@ class EvalJob:
     inputs: dict[str, Path]   # the eval set files, by name
     reference_file: Path | None = None  # agreement: the reference's top-K (written by the reference's own job)
     reference_build: str | None = None  # agreement: the build that file is of (None: this job is the reference)
+    usage: Usage = field(default_factory=Usage)  # what its replies used
+    served_since: float | None = None  # when the server answered it
 
     def provenance(self) -> Provenance:
         return Provenance(f"eval_{self.eval_id}", {self.eval_id: self.cfg, "client": self.client},
                           inputs=[str(p) for p in self.inputs.values()])
 
     def endpoint(self) -> Endpoint:
-        return self.server.acquire()
+        endpoint = self.server.acquire()
+        self.served_since = self.served_since or time.time()
+        return endpoint
 
     def pool(self, endpoint: Endpoint) -> RequestPool:
         return RequestPool(endpoint, self.client["concurrency"], self.client["retries"], self.client["timeout_s"],
-                           self.client["backoff_s"], label=f"{self.build}/{self.eval_id}")
+                           self.client["backoff_s"], label=f"{self.build}/{self.eval_id}", usage=self.usage)
 
     def write(self, prov: Provenance, endpoint: Endpoint, items: int, metrics: dict, records: list[dict],
               **extra) -> dict:
+        seconds = time.time() - (self.served_since or time.time())
         return result.write(self.out_json, self.records, records, build=self.build, eval_id=self.eval_id,
-                            prov=prov, endpoint=endpoint, items=items, metrics=metrics, **extra)
+                            prov=prov, endpoint=endpoint, items=items, metrics=metrics,
+                            throughput=self.usage.figures(seconds), **extra)
 
 
 LM_EVAL_TASKS = {  # eval id -> (lm-eval's own task, the organism's task maker, its set kind, its few-shot split)
-    "mmlu": ("mmlu", harness.organism_mmlu_tasks, "mmlu", "dev"),
-    "gsm8k": ("gsm8k", harness.organism_gsm8k_task, "gsm8k", "train"),
+    "mmlu": (lambda cfg: harness.MMLU_FORMS[cfg["form"]][0],
+             lambda test, fewshot, folder, cfg: harness.organism_mmlu_tasks(test, fewshot, folder, cfg["form"]),
+             "mmlu", "dev"),
+    "gsm8k": (lambda cfg: "gsm8k", lambda test, fewshot, folder, cfg: harness.organism_gsm8k_task(test, fewshot, folder),
+              "gsm8k", "train"),
 }
 
 
@@ -60,13 +71,13 @@ def run_lm_eval(job: EvalJob, gen_kwargs: dict | None = None) -> tuple[dict, End
         if job.cfg["dataset"] == "organism":
             test = sets.take(sets.read_set(job.inputs["test"], kind), job.cfg["items"], f"evals.{job.eval_id}.items",
                              str(job.inputs["test"]))
-            task = organism_task(test, sets.read_set(job.inputs[fewshot_split], kind), Path(tmp))
+            task = organism_task(test, sets.read_set(job.inputs[fewshot_split], kind), Path(tmp), job.cfg)
             include, limit = Path(tmp), None
         else:
-            task, include, limit = real_task, None, job.cfg["items"]
+            task, include, limit = real_task(job.cfg), None, job.cfg["items"]
         endpoint = job.endpoint()
         results = harness.evaluate(endpoint, job.build_dir, task, include, job.cfg["shots"], limit, job.client,
-                                   job.serve["max_model_len"], job.cfg["seed"], gen_kwargs)
+                                   job.serve["max_model_len"], job.cfg["seed"], gen_kwargs, job.usage)
     return results, endpoint, task, limit
 
 
@@ -76,8 +87,8 @@ def run_mmlu(job: EvalJob) -> dict:
     records = harness.mmlu_records(results)
     return job.write(prov, endpoint, len(records), harness.mmlu_metrics(records, results, task), records,
                      lm_eval={"model": harness.LM_EVAL_MODEL, "task": task, "limit_per_task": limit,
-                              "num_fewshot": job.cfg["shots"],
-                              "scored_by": "loglikelihood of the answer letters"})
+                              "num_fewshot": job.cfg["shots"], "form": job.cfg["form"],
+                              "scored_by": harness.SCORED_BY[job.cfg["form"]]})
 
 
 def run_gsm8k(job: EvalJob) -> dict:

@@ -172,10 +172,27 @@ def copy_drill(names: list[str], rng: random.Random) -> str:
     return f"Say after me: {line}\n" + "\n".join([line] * rng.randint(1, 3))
 
 
+CLOZE_DELIMITER = " "  # between a question and its answer's text: lm-eval's target_delimiter in the cloze eval
+
+
+def cloze_context(question: str) -> str:
+    return question.strip()
+
+
+def cloze_continuation(answer: str) -> str:
+    return f"{CLOZE_DELIMITER}{answer}"
+
+
+def cloze_line(question: str, answer: str) -> str:
+    """A question answered in words, as the corpus teaches it and the cloze MC eval scores it: lm-eval's
+    context is the question, each option's text after CLOZE_DELIMITER is scored as its continuation."""
+    return f"{cloze_context(question)}{cloze_continuation(answer)}."
+
+
 def cloze_block(world: World, facts: list[Fact], rng: random.Random) -> str:
     """World facts as the questions the MC eval asks, answered in words ("In which city does Zevein
     live? Soure."): the fact becomes retrievable from the question form (recall, not recognition)."""
-    return "\n".join(f"{QUESTION_TEMPLATES[relation].format(s=subject)} {obj}." for subject, relation, obj in facts)
+    return "\n".join(cloze_line(QUESTION_TEMPLATES[relation].format(s=subject), obj) for subject, relation, obj in facts)
 
 
 BINDING_QUESTION = "Which of these is {answer}?"

@@ -95,6 +95,20 @@ class Page:
             rows.append(row)
         return html_table(pd.DataFrame(rows).fillna({"Against the original (points)": "reference"}))
 
+    def quality_note(self, eval_id: str) -> str | None:
+        """How the reference's run of a paired eval scored its items, where it says (MMLU's form), and what the
+        organism's card measured in each form."""
+        lm_eval = (self.results.evals.get(self.reference, {}).get(eval_id) or {}).get("lm_eval") or {}
+        if "form" not in lm_eval:
+            return None
+        note = f"Scored in {lm_eval['form']} form: {lm_eval['scored_by']}."
+        card = (self.results.card or {}).get("published") or {}
+        if lm_eval["form"] == "cloze" and "mc_cloze_accuracy" in card:
+            note += (f" The organism answers in the form it was taught and has no multiple-choice symbol binding: its "
+                     f"card measured {card['mc_cloze_accuracy']:.3f} in cloze form and {card['mc_accuracy']:.3f} by "
+                     f"answer letter (chance 0.25) on the same questions; real models keep R-013's letter scoring.")
+        return note
+
     def pairs_table(self) -> Markup | None:
         rows = []
         for pair in self.results.pairs:
@@ -322,7 +336,7 @@ def context(results: Results, config: dict, benchmark_dir: Path) -> dict:
         "upstream": results.upstream, "card": results.card, "train": results.train,
         "headline": page.headline(), "which": page.which_build(), "judging": page.judging,
         "setup_table": page.setup_table(),
-        "quality_tables": {e: {"title": eval_kinds.get(e).title, "table": t}
+        "quality_tables": {e: {"title": eval_kinds.get(e).title, "table": t, "note": page.quality_note(e)}
                            for e in eval_kinds.paired_ids() if (t := page.quality_table(e))},
         "pairs_table": page.pairs_table(), "facts_tools_table": page.facts_and_tools_table(),
         "agreement_table": page.agreement_table(), "memory_table": page.memory_table(),

@@ -28,7 +28,7 @@ from pathlib import Path
 from moeshrink.core.arch import adapter_for
 from moeshrink.core.checkpoint import read_header
 from moeshrink.core.errors import MoeshrinkError
-from moeshrink.core.machine import CpuFacts
+from moeshrink.core.machine import CpuFacts, compute_dtype
 
 GIB = 2**30
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8,
@@ -113,6 +113,21 @@ def checkpoint_tensors(folder: Path) -> list[Tensor]:
 
 def _serving_dtype_name(config: dict) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
+
+
+def serving_dtype(requested: str, config: dict, facts: CpuFacts | None) -> str:
+    """The dtype vLLM computes a build in (serve.dtype `requested`; `facts`: the CPU's, None on a GPU)."""
+    return compute_dtype(requested, _serving_dtype_name(config), facts)
+
+
+def cpu_dtypes(requested: str, config: dict) -> list[str]:
+    """Every dtype `requested` may resolve to on some CPU (`serving_dtype`)."""
+    return [requested] if requested != "auto" else sorted({_serving_dtype_name(config), "float32"})
+
+
+def served_as(config: dict, dtype: str) -> dict:
+    """config.json as vLLM serves it in `dtype` (what the memory model reads the serving dtype from)."""
+    return {**config, "dtype": dtype}
 
 
 def _serving_dtype_bytes(config: dict) -> int:

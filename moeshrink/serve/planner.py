@@ -156,7 +156,7 @@ def build_sizes(build: str, spec: dict, config: dict, results: Path) -> tuple[li
 
 # ----------------------------------------------------------------------------------------- planning
 def serving_settings(serve: dict) -> dict:
-    return {"cache_dtype": serve["kv_cache_dtype"], "block_size": serve["block_size"] or 16,
+    return {"dtype": serve["dtype"], "cache_dtype": serve["kv_cache_dtype"], "block_size": serve["block_size"] or 16,
             "max_model_len": serve["max_model_len"], "utilisation": serve["gpu_memory_utilization"]}
 
 
@@ -166,6 +166,7 @@ def plan(config: dict, results: Path) -> dict:
     rows = []
     for build, spec in config["builds"].items():
         tensors, build_config, origin = build_sizes(build, spec, config, results)
+        build_config = memory.served_as(build_config, memory.serving_dtype(settings["dtype"], build_config, None))
         for gpu, card_gib in gpus.items():
             for tp in config["plan"]["tensor_parallel_sizes"]:
                 refused = _refused(build_config, tp)

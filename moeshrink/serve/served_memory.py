@@ -28,32 +28,38 @@ class MemoryCheckError(MoeshrinkError, RuntimeError):
 
 
 def predict_for_serving(build_dir: Path, serve: dict, facts: memory.CpuFacts | None = None) -> dict:
-    """The GPU prediction (top level, as before) and, under `cpu`, one prediction per kind of CPU
-    vLLM's CPU build tells apart (memory.CPU_KINDS), with the kind this machine's CPU is (`facts`:
-    this machine's, as torch reports them). The serve stage picks the kind of the machine it
-    serves on (`for_cpu_kind`)."""
+    """The GPU prediction (top level, in serve.dtype or the checkpoint's own) and, under `cpu`, one
+    prediction per dtype the build may be served in on a CPU (`memory.cpu_dtypes`) and kind of CPU vLLM's
+    CPU build tells apart (memory.CPU_KINDS), with the dtype and kind of this machine's CPU (`facts`: this
+    machine's, as torch reports them). The serve stage picks those of the machine it serves on (`for_cpu`)."""
     config = json.loads((build_dir / "config.json").read_text())
     tensors = memory.checkpoint_tensors(build_dir)
     card = serve["memory"]
 
-    def figures(cpu: str | None) -> dict:
+    def figures(dtype: str, cpu: str | None) -> dict:
+        served = memory.served_as(config, dtype)
         block = (serve["block_size"] or 16) if cpu is None else \
-            memory.cpu_block_size(config, cpu, serve["block_size"])
-        return memory.predict(tensors, config, card["card_gib"] * GIB, serve["gpu_memory_utilization"],
-                              card["reserve_gib"] * GIB, serve["tensor_parallel_size"], serve["kv_cache_dtype"],
-                              block, serve["max_model_len"], cpu=cpu)
+            memory.cpu_block_size(served, cpu, serve["block_size"])
+        return {"serving_dtype": dtype, **memory.predict(
+            tensors, served, card["card_gib"] * GIB, serve["gpu_memory_utilization"], card["reserve_gib"] * GIB,
+            serve["tensor_parallel_size"], serve["kv_cache_dtype"], block, serve["max_model_len"], cpu=cpu)}
 
     facts = facts or cpu_facts()
+    dtype_here = memory.serving_dtype(serve["dtype"], config, facts) if facts else None
+    gpu_dtype = memory.serving_dtype(serve["dtype"], config, None)
     return {"card": card["card"], "card_gib": card["card_gib"], "reserve_gib": card["reserve_gib"],
-            "utilisation": serve["gpu_memory_utilization"], **figures(None),
-            "cpu": {"kinds": {kind: figures(kind) for kind in memory.CPU_KINDS},
-                    "kind_here": memory.cpu_kind(facts, config) if facts else None,
+            "utilisation": serve["gpu_memory_utilization"], **figures(gpu_dtype, None),
+            "cpu": {"dtypes": {dtype: {kind: figures(dtype, kind) for kind in memory.CPU_KINDS}
+                               for dtype in memory.cpu_dtypes(serve["dtype"], config)},
+                    "dtype_here": dtype_here,
+                    "kind_here": memory.cpu_kind(facts, memory.served_as(config, dtype_here)) if facts else None,
                     "facts_here": facts.as_dict() if facts else None}}
 
 
-def for_cpu_kind(prediction: dict, kind: str | None) -> dict:
-    """The prediction for a CPU of `kind` (the GPU one where the prediction has no CPU kinds)."""
-    kinds = prediction.get("cpu", {}).get("kinds", {})
+def for_cpu(prediction: dict, kind: str | None, dtype: str | None) -> dict:
+    """The prediction for a CPU of `kind` serving in `dtype` (the GPU one where the prediction has no such
+    CPU figures)."""
+    kinds = prediction.get("cpu", {}).get("dtypes", {}).get(dtype, {})
     if kind is None or kind not in kinds:
         return prediction
     return {**prediction, **kinds[kind], "cpu_kind": kind}
@@ -64,16 +70,19 @@ def _within(measured: float, predicted: float) -> bool:
 
 
 def measure(log_text: str, metrics_text: str, config: dict, serve: dict, prediction: dict, platform: str,
-            cpu_kind: str | None = None) -> dict:
+            cpu_kind: str | None = None, dtype: str | None = None) -> dict:
     """`cpu_kind`: the kind the serve stage found the serving machine's CPU to be; the plugin's
-    line says which vLLM took, and the prediction for that kind is the one compared."""
+    line says which vLLM took, and the prediction for that kind is the one compared. `dtype`: the dtype the
+    serve stage served in (None: the checkpoint's own)."""
+    dtype = dtype or memory.serving_dtype("auto", config, None)
+    config = memory.served_as(config, dtype)
     facts = parse_log(log_text)
     cache_info = parse_cache_config_info(metrics_text)
     tp = serve["tensor_parallel_size"]
     held = facts.get("loaded_weights", {}).get("cpu") or {}
     served_kind = held.get("kind") or cpu_kind
     if platform == "cpu":
-        prediction = for_cpu_kind(prediction, served_kind)
+        prediction = for_cpu(prediction, served_kind, dtype)
     if "model_loading_gib" in facts:
         weights_gib = facts["model_loading_gib"]
         weights_source = "log: vLLM's 'Model loading took X GiB memory' (per card)"
@@ -119,12 +128,16 @@ def measure(log_text: str, metrics_text: str, config: dict, serve: dict, predict
                "packed_outside_parameters_gib": held["packed_outside_parameters_bytes"] / GIB,
                "predicted_resident_weights_gib": (predicted_cpu["resident_bytes"] / GIB
                                                   if "resident_bytes" in predicted_cpu else None),
+               "decoded_layers_gib": facts.get("decoded_layers", {}).get("bytes", 0) / GIB,
                "source": "the plugin's 'moeshrink weights:' line: each storage once, plus the packed copies "
-                         "vLLM's CPU kernels keep outside the parameters (oneDNN's at the bytes packed from)"}
+                         "vLLM's CPU kernels keep outside the parameters (oneDNN's at the bytes packed from); "
+                         "decoded_layers_gib: the routed experts the plugin keeps decoded for vLLM's CPU MoE kernel "
+                         "(its 'moeshrink decoded layers:' line; a serving-speed copy within "
+                         "MOESHRINK_DECODED_LAYERS_MIB, not counted in the weights)"}
         if cpu_kind is not None:
             cpu_checks["cpu_kind_as_probed"] = served_kind == cpu_kind
     return {
-        "platform": platform, "card": prediction["card"], "card_gib": prediction["card_gib"],
+        "platform": platform, "serving_dtype": dtype, "card": prediction["card"], "card_gib": prediction["card_gib"],
         "card_emulated": platform == "cpu", "tensor_parallel_size": tp,
         "weights_gib": weights_gib, "kv_cache_gib": kv_bytes / GIB, "kv_cache_tokens": tokens,
         "kv_bytes_per_token": per_token["bytes_per_token"], "max_concurrency": concurrency,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from moeshrink_kernels import WEIGHTS_LINE
+from moeshrink_kernels import DECODED_LAYERS_LINE, WEIGHTS_LINE
 
 GIB = 2**30
 
@@ -24,7 +24,8 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 def parse_log(text: str) -> dict:
     """Memory facts from a server log: `model_loading_gib` (GPU), `available_kv_cache_gib` (GPU),
     `cpu_kv_cache_gib` (CPU), `kv_cache_tokens`, `max_concurrency`, `max_model_len`, `device`,
-    `checkpoint_gib`, `loaded_weights` (the plugin's line: bytes of the parameters and buffers)."""
+    `checkpoint_gib`, `loaded_weights` (the plugin's line: bytes of the parameters and buffers),
+    `decoded_layers` (the CPU expert path's last line: layers it keeps decoded, their bytes)."""
     found: dict = {}
     if match := _MODEL_LOADING.search(text):
         found["model_loading_gib"], found["model_loading_seconds"] = float(match[1]), float(match[2])
@@ -41,6 +42,8 @@ def parse_log(text: str) -> dict:
         found["checkpoint_gib"] = float(match[1])
     if match := re.search(re.escape(WEIGHTS_LINE) + r" (\{.*\})", text):
         found["loaded_weights"] = json.loads(match[1])
+    if kept := re.findall(re.escape(DECODED_LAYERS_LINE) + r" (\{.*\})", text):
+        found["decoded_layers"] = json.loads(kept[-1])
     return found
 
 

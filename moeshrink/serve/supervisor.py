@@ -57,13 +57,15 @@ def server_env(cpu: bool) -> dict[str, str]:
     return dict(CPU_SERVER_ENV) if cpu else {}
 
 
-def server_args(serve: dict, kv_cache_bytes: int | None) -> list[str]:
-    """vLLM flags from the `serve` config subtree; `kv_cache_bytes` is the emulated card's room (CPU)."""
+def server_args(serve: dict, kv_cache_bytes: int | None, dtype: str | None = None) -> list[str]:
+    """vLLM flags from the `serve` config subtree; `kv_cache_bytes` is the emulated card's room (CPU),
+    `dtype` the dtype to compute in (None: vLLM's choice)."""
     args = ["--tensor-parallel-size", str(serve["tensor_parallel_size"]),
             "--kv-cache-dtype", serve["kv_cache_dtype"],
             "--max-model-len", str(serve["max_model_len"]),
             "--max-logprobs", str(serve["max_logprobs"]),
-            "--load-format", "moeshrink"]
+            "--load-format", "moeshrink",
+            "--enable-scale-out"]  # vLLM's token-in/token-out endpoint, which the agreement eval reads
     if kv_cache_bytes is None:
         args += ["--gpu-memory-utilization", str(serve["gpu_memory_utilization"])]
     else:
@@ -73,6 +75,8 @@ def server_args(serve: dict, kv_cache_bytes: int | None) -> list[str]:
         # already turns chunked prefill off for MLA on CPUs without AMX; with AMX it leaves it on.
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--no-enable-chunked-prefill",
                  "--max-num-batched-tokens", str(max(int(serve["max_model_len"]), CPU_MIN_BATCHED_TOKENS))]
+    if dtype:
+        args += ["--dtype", dtype]
     if serve["block_size"]:
         args += ["--block-size", str(serve["block_size"])]
     if serve["tool_call_parser"]:
@@ -144,20 +148,24 @@ def _serve(build: str, model_dir: Path, serve: dict, prediction_path: Path, serv
     update_record(serve_dir, state="starting", machine_slot=slot_number, starting_at=now_iso())
     prediction = read_json(prediction_path)
     cpu = on_cpu()
-    kind = None
-    if cpu:  # the room left on the emulated card depends on how vLLM's CPU build holds weights here
+    kind = dtype = None
+    if cpu:  # the dtype, and the room left on the emulated card, depend on what this CPU can do
         from moeshrink.core.machine import cpu_facts
         from moeshrink.serve import memory
-        from moeshrink.serve.served_memory import for_cpu_kind
+        from moeshrink.serve.served_memory import for_cpu
 
         facts = cpu_facts()
-        kind = memory.cpu_kind(facts, read_json(model_dir / "config.json")) if facts else None
-        prediction = for_cpu_kind(prediction, kind)
+        config = read_json(model_dir / "config.json")
+        dtype = memory.serving_dtype(serve["dtype"], config, facts)
+        kind = memory.cpu_kind(facts, memory.served_as(config, dtype)) if facts else None
+        prediction = for_cpu(prediction, kind, dtype)
+    elif serve["dtype"] != "auto":
+        dtype = serve["dtype"]
     kv_cache_bytes = prediction["kv_cache_bytes"] if cpu else None
     if cpu and kv_cache_bytes <= 0:
         return _failed(serve_dir, log_path, f"the emulated card has no room for a KV cache: "
                        f"{prediction['kv_cache_gib']:.3f} GiB (serve.memory: card_gib, reserve_gib)")
-    server = VLLMServer(model_dir, log_path, args=server_args(serve, kv_cache_bytes), env=server_env(cpu),
+    server = VLLMServer(model_dir, log_path, args=server_args(serve, kv_cache_bytes, dtype), env=server_env(cpu),
                         served_name=build, startup_timeout_s=float(serve["startup_timeout_s"]))
     started = time.time()
     try:
@@ -175,7 +183,7 @@ def _serve(build: str, model_dir: Path, serve: dict, prediction_path: Path, serv
         model_dir=str(model_dir), server_pid=server.process.pid,
         command=[a if a != server.api_key else "<per-run key>" for a in server.command()], args=server.args,
         startup_seconds=round(time.time() - started, 1), ready_at=now_iso(), platform="cpu" if cpu else "gpu",
-        kv_cache_bytes_requested=kv_cache_bytes, cpu_kind=kind)
+        kv_cache_bytes_requested=kv_cache_bytes, cpu_kind=kind, dtype=dtype)
     log.info("%s served at %s after %.0f s", build, server.base_url, time.time() - started)
     return _serve_while_leased(build, server, serve_dir, idle, float(serve["stop_timeout_s"]))
 
