@@ -10,6 +10,7 @@ from pathlib import Path
 from moeshrink.core import config as config_mod
 from moeshrink.core import expert_formats, prune_methods
 from moeshrink.core.errors import MoeshrinkError
+from moeshrink.core.ioutil import atomic_path
 from moeshrink.core.layout import results_dir
 
 CONFIG_HELP = "config files laid over config.yaml in order, as snakemake --configfile lays them (default: config.yaml)"
@@ -70,7 +71,8 @@ def cmd_ship_organism(args) -> int:
 def cmd_twin(args) -> int:
     from moeshrink import stages
 
-    manifest = stages.bf16_twin(Path(args.input), Path(args.output))
+    with atomic_path(Path(args.output)) as staging:
+        manifest = stages.bf16_twin(Path(args.input), staging)
     print(json.dumps({"tensors": manifest["tensors"], "total_bytes": manifest["total_bytes"]}))
     return 0
 
@@ -87,7 +89,9 @@ def cmd_prune(args) -> int:
         calibration = Path(args.calibration)
         spec["calibration"] = {"file": str(calibration), "sequences": args.sequences, "seq_len": args.seq_len}
     build = {"label": "pruned", "prune": spec}
-    manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), Path(args.output), calibration)
+    with atomic_path(Path(args.output)) as staging:  # nothing under the output's name unless it is whole
+        staging.mkdir()
+        manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), staging, calibration)
     print(json.dumps({"num_experts": manifest["num_experts"], "total_bytes": manifest["total_bytes"]}))
     return 0
 
@@ -104,8 +108,10 @@ def cmd_quantize(args) -> int:
     if args.output_aware:
         spec["output_aware"] = args.output_aware.split(",")
     build = {"label": args.format, "quantize": spec}
-    manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), Path(args.output),
-                                   quantize_calibration_file=calibration)
+    with atomic_path(Path(args.output)) as staging:
+        staging.mkdir()
+        manifest = stages.build_folder(Path(args.output).name, build, Path(args.input), staging,
+                                       quantize_calibration_file=calibration)
     print(json.dumps({"routed_expert_bits_per_weight": manifest["routed_expert_bits_per_weight"],
                       "total_bytes": manifest["total_bytes"]}))
     return 0

@@ -115,11 +115,13 @@ def upstream(upstream_cfg: dict, out_dir: Path, trained_dir: Path | None = None,
 
 
 def bf16_twin(upstream_dir: Path, out_dir: Path) -> dict:
-    from moeshrink.core.checkpoint import build_manifest, write_manifest
+    from moeshrink.core.checkpoint import build_manifest, verify_folder, write_manifest
     from moeshrink.upstream import sources
     from moeshrink.upstream.twin import make_twin
 
     prov = Provenance("bf16_twin", {}, inputs=[str(upstream_dir / "manifest.json")])
+    if (upstream_dir / "manifest.json").exists():
+        verify_folder(upstream_dir, read_json(upstream_dir / "manifest.json"))
     sources.clear_folder(out_dir)
     summary = make_twin(upstream_dir, out_dir)
     manifest = build_manifest(out_dir, {"kind": "bf16 twin", "of": str(upstream_dir)})
@@ -165,7 +167,9 @@ def build_plan(build_id: str, build_cfg: dict, upstream_dir: Path, upstream_mani
                calibration_file: Path | None = None, encoder_tables: list[Path] = (),
                quantize_calibration_file: Path | None = None) -> dict:
     from moeshrink.compress.builder import load_encoder_tables, make_plan
+    from moeshrink.core.checkpoint import verify_folder
 
+    verify_folder(upstream_dir, upstream_manifest)
     texts = [str(path) for path in (calibration_file, quantize_calibration_file) if path]
     prov = Provenance("build_plan", {build_id: build_cfg}, inputs=[str(upstream_dir), *texts])
     load_encoder_tables(build_cfg, encoder_tables)

@@ -46,6 +46,14 @@ def test_a_preset_is_laid_over_the_default_and_names_only_what_differs():
         assert load(preset, base=ROOT / "config.yaml")["builds"].keys() == default_builds()
 
 
+def test_the_embedded_study_scores_knowledge_in_cloze_form_and_the_presets_by_letter():
+    """The organism answers in the form it was taught (cloze); real models keep R-013's protocol."""
+    assert load()["evals"]["mmlu"]["form"] == "cloze"
+    for preset in PRESETS:
+        mmlu = load(preset, base=ROOT / "config.yaml")["evals"]["mmlu"]
+        assert (mmlu["form"], mmlu["shots"]) == ("letter", 5), preset.name
+
+
 def default_builds():
     return yaml.safe_load((ROOT / "config.yaml").read_text())["builds"].keys()
 

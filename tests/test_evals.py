@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from moeshrink.core.errors import MoeshrinkError
 from moeshrink.core.stats import bootstrap_ratio_ci, wilson
 from moeshrink.evals import EvalError, agreement, sets
 from moeshrink.evals.client import RequestPool
@@ -81,6 +82,16 @@ def test_top_k_kl_estimate_is_a_lower_bound_close_to_the_exact_kl(top_k):
     assert math.isclose(check["exact_mean_kl"], exact.mean(), rel_tol=1e-9)
 
 
+def test_the_exact_check_reads_the_first_positions_of_its_passages():
+    """Passages of 5, 3 and 4 tokens have 4, 2 and 3 positions, one after another in the estimate's array."""
+    assert agreement.exact_check_positions([5, 3, 4], 2, None).tolist() == [0, 1, 2, 3, 4, 5]
+    assert agreement.exact_check_positions([5, 3, 4], 3, 2).tolist() == [0, 1, 4, 5, 6, 7]
+    assert agreement.exact_check_positions([5, 3, 4], 0, 2).tolist() == []
+    cfg = {"exact_check_passages": 2, "exact_check_positions": 2}
+    assert agreement.exact_prompts([("a", [1, 2, 3, 4, 5]), ("b", [6, 7]), ("c", [8, 9])], cfg) == \
+        [("a", [1, 2, 3]), ("b", [6, 7])]
+
+
 def test_identical_distributions_agree_fully_with_zero_kl():
     reference = _log_softmax(np.random.default_rng(1).normal(0, 2, (50, 30)))
     reply = {"prompt_logprobs": _prompt_logprobs(reference, 20)}
@@ -138,7 +149,7 @@ def test_eval_sets_are_checked_before_any_request(tmp_path):
     with pytest.raises(EvalError, match=r"mc.jsonl, line 2: not a mmlu item: answer"):
         sets.read_set(path, "mmlu")
     path.write_text("{not json\n")
-    with pytest.raises(EvalError, match="line 1: not JSON"):
+    with pytest.raises(MoeshrinkError, match="line 1: not JSON"):
         sets.read_set(path, "mmlu")
     trials = [{"id": f"t{i}", "case": "weather" if i % 2 else "timer", "messages": [], "expected_calls": []}
               for i in range(6)]
@@ -318,7 +329,7 @@ def test_cloze_mmlu_scores_each_option_text_through_lm_eval(server_url, small_da
     task = harness.organism_mmlu_tasks(test, dev, tmp_path, "cloze")
     endpoint = Endpoint({"base_url": server_url, "api_key": "key", "build": "b", "served_model_name": "m",
                          "log": str(tmp_path / "log"), "server_pid": os.getpid()})
-    client = {"concurrency": 2, "retries": 0, "timeout_s": 10, "backoff_s": 0.01}
+    client = {"concurrency": 2, "retries": 0, "timeout_s": 10, "backoff_s": 0.01, "lm_eval_batch_size": 3}
     _Loglikelihoods.prompts = []
     usage = Usage()
     results = harness.evaluate(endpoint, small_tokenizer_dir, task, tmp_path, 0, None, client, 1024, 1234, None, usage)
@@ -341,4 +352,4 @@ def test_cloze_mmlu_scores_each_option_text_through_lm_eval(server_url, small_da
         right_norm += norm.index(max(norm)) == item["answer"]
         assert record["correct"] == (scores.index(max(scores)) == item["answer"])
     assert metrics["accuracy"]["count"] == right and metrics["accuracy_norm"]["count"] == right_norm
-    assert len(records) == 12 and usage.requests == 48 and usage.completion_tokens == 48
+    assert len(records) == 12 and usage.requests == 16 and usage.completion_tokens == 48  # 3 prompts per request

@@ -81,6 +81,18 @@ def test_held_out_facts_are_stated_in_the_corpus_prose(small_data):
     assert world.people and world.stranger_names
 
 
+def test_the_corpus_teaches_knowledge_in_the_rendering_the_cloze_eval_scores(small_data):
+    """The served cloze prompt, the card's prompt and the training text are one rendering
+    (tasks.cloze_line): each question the corpus answers, it answers exactly as the eval scores it."""
+    cloze_text = "\n".join(d["text"] for d in datasets.read_jsonl(small_data / datasets.CORPUS_FILE) if d["kind"] == "cloze")
+    mc = datasets.read_jsonl(small_data / datasets.MC_TEST)
+    taught = [item for item in mc if tasks.cloze_line(item["question"], item["choices"][item["answer"]]) in cloze_text]
+    assert len(taught) / len(mc) > 0.5
+    for item in taught:  # never a wrong option in the taught form
+        wrong = [c for i, c in enumerate(item["choices"]) if i != item["answer"]]
+        assert not any(tasks.cloze_line(item["question"], c) in cloze_text for c in wrong)
+
+
 def test_every_name_is_in_the_copy_drills_and_only_names_are(small_data):
     """Copy drills say every name of the world, the held-out strangers too (so that each is a trained
     token), and nothing else: no fact about anyone."""

@@ -58,8 +58,9 @@ def test_another_recipe_tokenizer_or_file_is_refused_naming_it(made, organism_cf
     folder, tokenizer, _ = made
     changed = copy.deepcopy(organism_cfg)
     changed["train"]["lr"] = 0.5
-    changed["data"]["people"] = 41
-    with pytest.raises(shipped.ShippedError, match=r"upstream\.organism\.data\.people is 41 here, 40 in the shipped "
+    changed["data"]["people"] = organism_cfg["data"]["people"] + 1
+    with pytest.raises(shipped.ShippedError, match=rf"upstream\.organism\.data\.people is {changed['data']['people']} "
+                                                   rf"here, {organism_cfg['data']['people']} in the shipped "
                                                    r"recipe; upstream\.organism\.train\.lr is 0\.5 here.*from: scratch"):
         shipped.place(folder, changed, tokenizer, tmp_path / "x")
     other = tmp_path / "other-tokenizer.json"

@@ -79,14 +79,15 @@ DEFAULT_DECODED_LAYERS_MIB = 256
 log = logging.getLogger("vllm.moeshrink")  # vLLM shows only loggers under its own name
 
 
+_amx_allowed = False
+
+
 def _allow_amx(isa: str) -> None:
     """Ask Linux for the AMX tile state before vLLM's AMX kernel runs: a process whose first AMX
     instruction comes from that kernel (not from a oneDNN matmul, which asks itself) dies of SIGILL."""
-    if isa == "amx" and not _allow_amx.done:
-        _allow_amx.done = bool(torch._C._cpu._init_amx())
-
-
-_allow_amx.done = False  # type: ignore[attr-defined]
+    global _amx_allowed
+    if isa == "amx" and not _amx_allowed:
+        _amx_allowed = bool(torch._C._cpu._init_amx())
 
 
 def decode_budget_bytes() -> int:

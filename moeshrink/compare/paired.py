@@ -12,12 +12,11 @@ the reference by the agreement eval; they are carried over with their intervals.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from moeshrink.core import eval_kinds, plugins, stats
 from moeshrink.core.errors import MoeshrinkError
-from moeshrink.core.ioutil import atomic_write_json, read_json
+from moeshrink.core.ioutil import atomic_write_json, jsonl_lines, read_json
 from moeshrink.core.provenance import Provenance
 
 
@@ -27,14 +26,10 @@ class CompareError(MoeshrinkError, ValueError):
 
 def read_records(path: Path) -> dict[str, dict]:
     records: dict[str, dict] = {}
-    with open(path) as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "id" not in record or "correct" not in record:
-                raise CompareError(f"{path}:{line_number}: a paired record needs 'id' and 'correct'")
-            records[record["id"]] = record
+    for line_number, record in jsonl_lines(path):
+        if "id" not in record or "correct" not in record:
+            raise CompareError(f"{path}:{line_number}: a paired record needs 'id' and 'correct'")
+        records[record["id"]] = record
     return records
 
 

@@ -218,3 +218,10 @@ def verify_shard(folder: Path, manifest: dict, name: str) -> None:
     if digest != entry["sha256"]:
         raise CheckpointError(f"{path}: sha256 {digest} does not match the manifest's {entry['sha256']}")
     remember_verified(folder, name, digest)
+
+
+def verify_folder(folder: Path, manifest: dict) -> None:
+    """Every shard of a checkpoint folder against its manifest (see verify_shard), before any tensor is read:
+    a stage that reads several shards fails on the damaged one by name, not on whichever it opens first."""
+    for shard in manifest["shards"]:
+        verify_shard(folder, manifest, shard["file"])

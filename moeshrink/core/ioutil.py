@@ -2,12 +2,26 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from moeshrink.core.errors import MoeshrinkError
+
+
+class UnwritableFile(MoeshrinkError, OSError):
+    """A write that failed (a full disk, no permission): named by the file it was for."""
+
+
+_OUT_OF_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # the write's own fault, not its input's
+
+
+class UnreadableFile(MoeshrinkError, ValueError):
+    """A JSON or JSONL file that does not parse: cut mid-write, or not what its name says."""
 
 
 def temporary_sibling(path: Path) -> Path:
@@ -45,11 +59,14 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
             # no fsync: the rename makes the file appear whole or not at all to any process that
             # outlives this one (a killed job, a rerun); power-loss durability is the filesystem's
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno in _OUT_OF_ROOM and not isinstance(error, MoeshrinkError):
+            raise UnwritableFile(error.errno, f"{path}: not written ({error.strerror}); nothing was left "
+                                 "under its name") from error
         raise
 
 
@@ -62,9 +79,21 @@ def atomic_write_json(path: Path | str, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def read_jsonl(path: Path | str) -> list[dict]:
+def jsonl_lines(path: Path | str) -> Iterator[tuple[int, dict]]:
+    """Each non-blank line of a JSONL file with its line number; a line that does not parse is named."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UnreadableFile(f"{path}, line {number}: not JSON ({error}); a file cut mid-line is "
+                                     "rebuilt by rerunning the job that wrote it") from None
+
+
+def read_jsonl(path: Path | str) -> list[dict]:
+    return [row for _, row in jsonl_lines(path)]
 
 
 def atomic_write_jsonl(path: Path | str, rows: Iterable[dict]) -> None:
@@ -75,7 +104,10 @@ def atomic_write_jsonl(path: Path | str, rows: Iterable[dict]) -> None:
 
 def read_json(path: Path | str):
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:
+            raise UnreadableFile(f"{path}: not JSON ({error})") from None
 
 
 def sha256_file(path: Path | str, chunk_bytes: int = 16 << 20) -> str:

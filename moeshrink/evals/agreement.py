@@ -179,10 +179,24 @@ def metrics(records: list[dict], kl: np.ndarray, top_k: int, decided_margin: flo
     }
 
 
+def exact_check_positions(lengths: list[int], passages: int, positions: int | None) -> np.ndarray:
+    """Where the exact check's positions lie among all positions: the first `positions` (all where None) of
+    each of the first `passages` passages (passage lengths in tokens; a passage of n tokens has n - 1)."""
+    starts = np.cumsum([0] + [n - 1 for n in lengths])
+    return np.concatenate([np.arange(starts[i], starts[i] + min(lengths[i] - 1, positions or lengths[i]))
+                           for i in range(min(passages, len(lengths)))] or [np.zeros(0, dtype=np.int64)])
+
+
+def exact_prompts(passages: list[tuple[str, list[int]]], cfg: dict) -> list[tuple[str, list[int]]]:
+    """The check's prompts: the first `exact_check_passages` passages, each cut to its checked positions."""
+    keep = cfg["exact_check_positions"]
+    return [(pid, ids[:keep + 1] if keep else ids) for pid, ids in passages[:cfg["exact_check_passages"]]]
+
+
 def exact_check(reference_full: np.ndarray, build_full: np.ndarray, estimate: np.ndarray) -> dict:
-    """The estimate against the exact whole-vocabulary KL on the same positions."""
+    """The estimate (at the checked positions) against the exact whole-vocabulary KL on the same positions."""
     exact = compare(reference_full, build_full)
-    estimated = float(estimate[: len(build_full)].mean())
+    estimated = float(estimate.mean())
     relative = abs(estimated - exact["mean_kl"]) / exact["mean_kl"] if exact["mean_kl"] > 0 else 0.0
     return {"positions": len(build_full), "exact_mean_kl": exact["mean_kl"], "estimated_mean_kl": estimated,
             "relative_difference": relative, "tolerance": EXACT_TOLERANCE, "within_tolerance": relative <= EXACT_TOLERANCE,
@@ -218,8 +232,9 @@ def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -
     decided = decided_positions(reference["top_lp"], cfg["decided_margin"])
     records = per_passage(reference["passage_ids"], reference["lengths"], agree, kl, decided)
     figures = metrics(records, kl, top_k, cfg["decided_margin"])
-    exact_passages = cfg["exact_check_passages"]
-    if exact_passages:
-        figures["exact_check"] = exact_check(reference["full"], read_full(pool, model, passages[:exact_passages],
-                                                                          vocab), kl)
+    if cfg["exact_check_passages"]:
+        checked = exact_check_positions(reference["lengths"], cfg["exact_check_passages"],
+                                        cfg["exact_check_positions"])
+        figures["exact_check"] = exact_check(reference["full"], read_full(pool, model, exact_prompts(passages, cfg),
+                                                                          vocab), kl[checked])
     return figures, records

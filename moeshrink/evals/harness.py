@@ -86,7 +86,8 @@ def organism_gsm8k_task(test: list[dict], train: list[dict], task_dir: Path) -> 
 def model_args(endpoint: Endpoint, tokenizer_dir: Path, client: dict, max_length: int, seed: int) -> dict:
     return {"base_url": endpoint.base_url + "/v1/completions", "model": endpoint.model,
             "tokenizer_backend": "huggingface", "tokenizer": str(tokenizer_dir), "tokenized_requests": True,
-            "num_concurrent": client["concurrency"], "max_retries": client["retries"] + 1,
+            "num_concurrent": client["concurrency"], "batch_size": client["lm_eval_batch_size"],
+            "max_retries": client["retries"] + 1,
             "timeout": int(client["timeout_s"]), "max_length": max_length, "seed": seed}
 
 

@@ -146,7 +146,7 @@ def run_agreement_reference(job: EvalJob) -> dict:
     top_k = job.cfg["top_k"]
     pairs = list(zip([p["id"] for p in passages], token_ids))
     top_ids, top_lp = agreement.read_top(pool, endpoint.model, pairs, top_k, top_k + 1)
-    full = agreement.read_full(pool, endpoint.model, pairs[:job.cfg["exact_check_passages"]], vocab)
+    full = agreement.read_full(pool, endpoint.model, agreement.exact_prompts(pairs, job.cfg), vocab)
     agreement.save_reference(reference_file, [p["id"] for p in passages], token_ids, top_ids, top_lp, full, top_k)
     metrics, records = agreement.run(pool, endpoint.model, agreement.load_reference(reference_file), job.cfg, vocab)
     return job.write(prov, endpoint, len(passages), metrics, records, reference=True,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jsonschema
 
+from moeshrink.core.ioutil import jsonl_lines
 from moeshrink.evals import EvalError
 
 _STR = {"type": "string", "minLength": 1}
@@ -39,16 +40,9 @@ SCHEMAS: dict[str, dict] = {
 def read_set(path: Path, kind: str) -> list[dict]:
     """Every line of a JSONL eval set, each valid against SCHEMAS[kind]."""
     items = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise EvalError(f"{path}, line {number}: not JSON ({error})") from None
-            check(item, kind, f"{path}, line {number}")
-            items.append(item)
+    for number, item in jsonl_lines(path):
+        check(item, kind, f"{path}, line {number}")
+        items.append(item)
     if not items:
         raise EvalError(f"{path}: the {kind} set is empty")
     return items

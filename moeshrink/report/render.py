@@ -190,9 +190,11 @@ class Page:
         rows = []
         for build_id in self.builds:
             measured, predicted = self.results.memory[build_id], self.results.memory[build_id]["predicted"]
+            cpu = measured.get("cpu")
             rows.append({"Build": self.label(build_id),
                          "Weights per card (GiB)": f"{measured['weights_gib']:.4g}",
                          "predicted": f"{predicted['weights_gib']:.4g}",
+                         **({"Experts kept decoded (GiB, CPU)": f"{cpu.get('decoded_layers_gib', 0):.4g}"} if cpu else {}),
                          "Room for the KV cache (GiB)": f"{measured['kv_cache_gib']:.4g}",
                          "predicted ": f"{predicted['kv_cache_gib']:.4g}",
                          "Tokens the cache holds": f"{measured['kv_cache_tokens']:,}",

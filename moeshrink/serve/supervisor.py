@@ -18,6 +18,7 @@ import signal
 import time
 from pathlib import Path
 
+from moeshrink.core.checkpoint import MANIFEST_FILE, CheckpointError, verify_folder
 from moeshrink.core.ioutil import atomic_write_json, read_json
 from moeshrink.core.provenance import now_iso
 from moeshrink.serve.server_lease import (
@@ -146,6 +147,11 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
 def _serve(build: str, model_dir: Path, serve: dict, prediction_path: Path, serve_dir: Path, log_path: Path,
            slot_number: int, idle: _Idle) -> int:
     update_record(serve_dir, state="starting", machine_slot=slot_number, starting_at=now_iso())
+    if (model_dir / MANIFEST_FILE).exists():  # a damaged shard is named here, not deep in vLLM's loader
+        try:
+            verify_folder(model_dir, read_json(model_dir / MANIFEST_FILE))
+        except CheckpointError as error:
+            return _failed(serve_dir, log_path, str(error))
     prediction = read_json(prediction_path)
     cpu = on_cpu()
     kind = dtype = None
