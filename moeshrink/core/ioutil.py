@@ -14,7 +14,8 @@ from moeshrink.core.errors import MoeshrinkError
 
 
 class UnwritableFile(MoeshrinkError, OSError):
-    """A write that failed (a full disk, no permission): named by the file it was for."""
+    """A write that failed for want of room (a full disk or quota, a read-only filesystem): named by the file
+    it was for."""
 
 
 _OUT_OF_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # the write's own fault, not its input's
