@@ -24,6 +24,7 @@ import numpy as np
 from moeshrink.core.ioutil import atomic_write_json, read_json
 from moeshrink.core.provenance import Provenance
 from moeshrink.evals import next_token
+from moeshrink.serve.supervisor import on_cpu, server_env
 from moeshrink.serve.vllm_server import VLLMServer
 from moeshrink.upstream.twin import make_twin
 from moeshrink_kernels import WEIGHTS_LINE
@@ -46,7 +47,9 @@ def corpus_prompts(workdir: Path, count: int, length: int) -> list[list[int]]:
 
 def serve(folder: Path, log: Path, prompts: list[list[int]], vocab: int) -> tuple[np.ndarray, dict | None]:
     args = ["--max-model-len", "2048", "--dtype", "bfloat16", "--max-logprobs", "-1", "--load-format", LOAD_FORMAT]
-    with VLLMServer(folder, log, args=args, env={"VLLM_CPU_KVCACHE_SPACE": "1"}, served_name="m") as server:
+    # the workflow's own server environment: on a CPU, a compile cache that later starts reuse
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **server_env(on_cpu())}
+    with VLLMServer(folder, log, args=args, env=env, served_name="m") as server:
         table = np.concatenate([next_token.prompt_logprobs(server, "m", p, vocab) for p in prompts])
     match = re.search(re.escape(WEIGHTS_LINE) + r" (\{.*\})", log.read_text())
     return table, json.loads(match[1]) if match else None

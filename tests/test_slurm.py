@@ -67,6 +67,9 @@ def test_one_build_served_and_evaluated_through_sbatch(cluster, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", *targets, "--configfile", "slurm.yaml",
          "--replace-workflow-config",
+         # the profile waits 20 s before it first asks sacct, then 10 s longer each time nothing finished:
+         # on a one-node test cluster, where most jobs take seconds, each would wait that long to be seen done
+         "--slurm-init-seconds-before-status-checks", "2",
          "--max-threads", "2", "--set-threads", "serve_prediction=2", "serve_memory=0", "eval=0", "eval_agreement=0",
          "eval_agreement_reference=0", "--set-resources", "serve_memory:mem_mb=6000", "eval:mem_mb=1500",
          "eval_agreement_reference:mem_mb=1500", "organism_train:mem_mb=4000", "organism_card:mem_mb=4000",

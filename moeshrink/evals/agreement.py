@@ -10,7 +10,6 @@ the exact whole-vocabulary KL on the first `exact_check_passages` passages.
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 from pathlib import Path
 
@@ -124,22 +123,33 @@ def position_figures(ref_ids: np.ndarray, ref_lp: np.ndarray, ids: np.ndarray, l
                                                                                                         np.ndarray]:
     """Per position: top-1 agreement (bool) and the coarse-grained KL estimate."""
     agree = top1_agreement(ref_ids, ref_lp, ids, lp)
-    kl = np.empty(len(ref_ids))
-    for row in range(len(ref_ids)):
-        build = {int(t): float(v) for t, v in zip(ids[row], lp[row]) if t != PAD_ID}
-        p_shared = q_shared = total = 0.0
-        for token, ref_logprob in zip(ref_ids[row], ref_lp[row]):
-            if token == PAD_ID or int(token) not in build:
-                continue
-            p = math.exp(ref_logprob)
-            p_shared += p
-            q_shared += math.exp(build[int(token)])
-            total += p * (ref_logprob - build[int(token)])
-        p_rest = max(0.0, 1.0 - p_shared)
-        if p_rest > 0:
-            total += p_rest * (math.log(p_rest) - math.log(max(REST_FLOOR, 1.0 - q_shared)))
-        kl[row] = max(0.0, total)
-    return agree, kl
+    build_lp = matching_logprobs(ref_ids, ids, lp)
+    shared = np.isfinite(build_lp)
+    p = np.where(shared, np.exp(ref_lp), 0.0)
+    with np.errstate(invalid="ignore"):  # -inf - -inf where neither side lists the token
+        total = np.where(shared, p * (ref_lp - build_lp), 0.0).sum(axis=1)
+    p_rest = np.maximum(0.0, 1.0 - p.sum(axis=1))
+    q_rest = np.maximum(REST_FLOOR, 1.0 - np.where(shared, np.exp(build_lp), 0.0).sum(axis=1))
+    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) where the listed tokens hold all the mass
+        rest = np.where(p_rest > 0, p_rest * (np.log(p_rest) - np.log(q_rest)), 0.0)
+    return agree, np.maximum(0.0, total + rest)
+
+
+def matching_logprobs(ref_ids: np.ndarray, ids: np.ndarray, lp: np.ndarray) -> np.ndarray:
+    """[positions, K]: the build's log-probability of each token the reference lists at that position,
+    -inf where the build does not list it (or the reference's slot is empty)."""
+    rows, width = ids.shape
+    if not rows or not width:
+        return np.full(ref_ids.shape, -np.inf)
+    span = int(max(ref_ids.max(initial=0), ids.max(initial=0))) + 2  # ids from PAD_ID (-1) up
+    offsets = (np.arange(rows, dtype=np.int64) * span)[:, None]
+    order = np.argsort(ids, axis=1, kind="stable")
+    build_keys = (np.take_along_axis(ids, order, axis=1) + 1 + offsets).ravel()  # ascending over all rows
+    build_lp = np.take_along_axis(lp, order, axis=1).ravel()
+    ref_keys = ref_ids + 1 + offsets
+    found = np.minimum(np.searchsorted(build_keys, ref_keys), build_keys.size - 1)
+    matched = (build_keys[found] == ref_keys) & (ref_ids != PAD_ID)
+    return np.where(matched, build_lp[found], -np.inf)
 
 
 def per_passage(passage_ids: list[str], lengths: list[int], agree: np.ndarray, kl: np.ndarray,
