@@ -43,12 +43,15 @@ def cmd_upstream(args) -> int:
             stages.organism_shipped(organism, Path(organism["train"]["shipped"]), tokenizer, trained)
         else:
             stages.organism_train(organism["model"], organism["train"], data, tokenizer, trained)
-        stages.upstream(upstream_cfg, results / "upstream", trained, tokenizer, args.workers)
-        stages.bf16_twin(results / "upstream", results / "upstream-bf16")
+        with atomic_path(results / "upstream") as staging:  # nothing under the target's name unless it is whole
+            stages.upstream(upstream_cfg, staging, trained, tokenizer, args.workers)
+        with atomic_path(results / "upstream-bf16") as staging:
+            stages.bf16_twin(results / "upstream", staging)
         stages.organism_card(organism["card"], trained, tokenizer, results / "upstream-bf16", data,
                              trained / "train.json", results / "upstream/organism_card.json")
     else:
-        stages.upstream(upstream_cfg, results / "upstream", workers=args.workers)
+        with atomic_path(results / "upstream") as staging:
+            stages.upstream(upstream_cfg, staging, workers=args.workers)
     print(json.dumps({"manifest": str(results / "upstream/manifest.json")}))
     return 0
 

@@ -36,7 +36,7 @@ from moeshrink.core.ioutil import atomic_path, atomic_write_json, read_json, sha
 from moeshrink.core.prune_methods import PruneMethodError
 from moeshrink.core.shardio import StoredTensor, data_start, save_shard, stored_tensor
 from moeshrink.formats import mxfp4
-from moeshrink.formats.source_experts import read_expert_weight, source_format
+from moeshrink.formats.source_experts import check_expert_headers, read_expert_weight, source_format
 
 log = logging.getLogger(__name__)
 TOKENIZER_AND_CONFIG_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -74,7 +74,7 @@ def expert_weights(upstream: Path, adapter: Adapter, fmt: str, wanted=lambda ref
     for shard, names in sorted(by_shard.items()):
         with safe_open(str(upstream / shard), "pt") as f:
             for name in names:
-                yield adapter.parse_expert(name), read_expert_weight(f, name, fmt)
+                yield adapter.parse_expert(name), read_expert_weight(f, name, fmt, upstream / shard)
 
 
 def expert_norms(upstream: Path, adapter: Adapter, fmt: str, kept: dict[int, list[int]]) -> dict[int, dict[int, float]]:
@@ -132,6 +132,7 @@ def make_plan(build_id: str, build_cfg: dict, upstream: Path, upstream_manifest:
     config = read_json(upstream / "config.json")
     adapter = adapter_for(config)
     check_has_moe(config, adapter)
+    check_expert_headers(upstream, config)
     layers = adapter.moe_layers(config)
     num_experts, top_k, n_group = adapter.num_experts(config), adapter.top_k(config), adapter.n_group(config)
     fmt = source_format(config)
@@ -256,7 +257,7 @@ def rewrite_shard(upstream: Path, upstream_manifest: dict, shard: str, plan: dic
                 if expert_bits and ref.suffix == "weight":
                     weighted = {"importance": importance.for_weight(ref.layer, ref.expert, ref.projection)} \
                         if importance else {}
-                    encoded = expert_format.codec_module().encode(read_expert_weight(f, name, fmt), expert_bits,
+                    encoded = expert_format.codec_module().encode(read_expert_weight(f, name, fmt, source), expert_bits,
                                                                   name=name, **weighted)
                     base = target[: -len(".weight")]
                     out[f"{base}.{expert_format.codes_suffix}"], out[f"{base}.{expert_format.scales_suffix}"] = encoded

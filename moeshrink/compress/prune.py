@@ -58,6 +58,7 @@ def router_tensors(upstream: Path, layers: list[int]) -> dict[int, dict[str, tor
     from moeshrink.core.arch import adapter_for
     from moeshrink.core.checkpoint import CheckpointError, index_of
     from moeshrink.core.ioutil import read_json
+    from moeshrink.formats.source_experts import require_finite
 
     adapter = adapter_for(read_json(upstream / "config.json"))
     weight_map = index_of(upstream)["weight_map"]
@@ -70,7 +71,7 @@ def router_tensors(upstream: Path, layers: list[int]) -> dict[int, dict[str, tor
                     raise CheckpointError(f"{upstream}: router tensor {name} of MoE layer {layer} is not in the index")
                 continue
             with safe_open(str(upstream / weight_map[name]), "pt") as f:
-                out[layer][role] = f.get_tensor(name)
+                out[layer][role] = require_finite(f.get_tensor(name), f"{upstream / weight_map[name]}: {name}")
     return out
 
 

@@ -79,6 +79,14 @@ class Adapter:
         per_expert = 3 * int(config["hidden_size"]) * int(config[self.expert_intermediate_key])
         return per_expert * self.num_experts(config) * len(self.moe_layers(config))
 
+    # per-expert projections whose weight maps the expert's intermediate width back to the hidden size
+    down_projections: tuple[str, ...] = ("down_proj", "w2")
+
+    def expert_weight_shape(self, config: dict, projection: str) -> tuple[int, int]:
+        """[rows, columns] of a per-expert projection weight as the model computes with it."""
+        hidden, intermediate = int(config["hidden_size"]), int(config[self.expert_intermediate_key])
+        return (hidden, intermediate) if projection in self.down_projections else (intermediate, hidden)
+
     def parse_expert(self, name: str) -> ExpertTensor | None:
         match = self.expert_pattern.match(name)
         if not match:

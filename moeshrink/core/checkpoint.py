@@ -221,7 +221,24 @@ def verify_shard(folder: Path, manifest: dict, name: str) -> None:
 
 
 def verify_folder(folder: Path, manifest: dict) -> None:
-    """Every shard of a checkpoint folder against its manifest (see verify_shard), before any tensor is read:
-    a stage that reads several shards fails on the damaged one by name, not on whichever it opens first."""
+    """Every shard of a checkpoint folder against its manifest (see verify_shard), then the index against the
+    shards' headers (see check_index), before any tensor is read: a stage that reads several shards fails on
+    the damaged one by name, not on whichever it opens first."""
     for shard in manifest["shards"]:
         verify_shard(folder, manifest, shard["file"])
+    check_index(folder)
+
+
+def check_index(folder: Path) -> dict[str, dict]:
+    """Every shard the weight index names exists, is whole (read_header), and holds every tensor the index
+    places in it; returns each shard's header. A checkpoint published with a tensor missing passes a check
+    of its bytes against its own manifest, and a stage copying shard by shard would drop the tensor."""
+    headers: dict[str, dict] = {}
+    for name, shard in sorted(index_of(folder)["weight_map"].items(), key=lambda item: (item[1], item[0])):
+        if shard not in headers:
+            if not (folder / shard).exists():
+                raise CheckpointError(f"{folder}: shard {shard} named by the index is missing")
+            headers[shard] = read_header(folder / shard)
+        if name not in headers[shard]:
+            raise CheckpointError(f"{folder / shard}: tensor {name}, which the index places in this shard, is not in it")
+    return headers

@@ -9,7 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
-from moeshrink.core.checkpoint import CheckpointError, index_of, read_header
+from moeshrink.core.checkpoint import CheckpointError, check_index
 from moeshrink.core.ioutil import atomic_path
 
 SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
@@ -37,11 +37,7 @@ def check_checkpoint_folder(folder: Path) -> dict:
         config = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{folder}/config.json: not valid JSON ({exc})") from exc
-    index = index_of(folder)
-    for shard in sorted(set(index["weight_map"].values())):
-        if not (folder / shard).exists():
-            raise CheckpointError(f"{folder}: shard {shard} named by the index is missing")
-        read_header(folder / shard)
+    check_index(folder)
     return config
 
 
