@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from moeshrink.core.arch import adapter_for
-from moeshrink.core.checkpoint import SCALE_COMPANION, check_index, index_of
+from moeshrink.core.checkpoint import SCALE_COMPANION, check_index
 from moeshrink.core.errors import MoeshrinkError
 from moeshrink.formats import mxfp4
 
@@ -41,29 +41,27 @@ def check_expert_headers(folder: Path, config: dict) -> None:
     stored in the checkpoint's encoding (MXFP4 uint8 codes with their scales, or a float dtype) and of the
     shape config.json gives the projection. A wrong one is named with its shard."""
     adapter, fmt = adapter_for(config), source_format(config)
-    headers = check_index(folder)
-    for name, shard in sorted(index_of(folder)["weight_map"].items()):
-        ref = adapter.parse_expert(name)
-        if ref is None or ref.suffix != "weight":
-            continue
-        rows, columns = adapter.expert_weight_shape(config, ref.projection)
-        entry = headers[shard][name]
-        if fmt == "mxfp4" and entry["dtype"] == "U8":
-            scales = headers[shard].get(name + SCALE_COMPANION)
-            expected = [(name, entry, [rows, columns // 2]),
-                        (name + SCALE_COMPANION, scales, [rows, columns // mxfp4.BLOCK])]
-        elif entry["dtype"] in FLOAT_DTYPES:
-            expected = [(name, entry, [rows, columns])]
-        else:
-            encodings = "MXFP4 codes (U8) or " if fmt == "mxfp4" else ""
-            raise SourceError(f"{folder / shard}: {name} is stored as {entry['dtype']}; a routed expert weight of this "
-                              f"checkpoint is {encodings}one of {', '.join(FLOAT_DTYPES)}")
-        for tensor, stored, shape in expected:
-            if stored is None:
-                raise SourceError(f"{folder / shard}: {tensor}, the scales of MXFP4 expert weight {name}, is not in it")
-            if list(stored["shape"]) != shape:
-                raise SourceError(f"{folder / shard}: {tensor} has shape {stored['shape']}; config.json "
-                                  f"(hidden_size, {adapter.expert_intermediate_key}) gives {ref.projection} {shape}")
+    for shard, header in check_index(folder).items():
+        for name, entry in sorted(header.items()):
+            ref = adapter.parse_expert(name)
+            if ref is None or ref.suffix != "weight":
+                continue
+            rows, columns = adapter.expert_weight_shape(config, ref.projection)
+            if fmt == "mxfp4" and entry["dtype"] == "U8":
+                expected = [(name, [rows, columns // 2]), (name + SCALE_COMPANION, [rows, columns // mxfp4.BLOCK])]
+            elif entry["dtype"] in FLOAT_DTYPES:
+                expected = [(name, [rows, columns])]
+            else:
+                encodings = "MXFP4 codes (U8) or " if fmt == "mxfp4" else ""
+                raise SourceError(f"{folder / shard}: {name} is stored as {entry['dtype']}; a routed expert weight "
+                                  f"of this checkpoint is {encodings}one of {', '.join(FLOAT_DTYPES)}")
+            for tensor, shape in expected:
+                if tensor not in header:
+                    raise SourceError(f"{folder / shard}: {tensor}, the scales of MXFP4 expert weight {name}, is "
+                                      "not in it")
+                if list(header[tensor]["shape"]) != shape:
+                    raise SourceError(f"{folder / shard}: {tensor} has shape {header[tensor]['shape']}; config.json "
+                                      f"(hidden_size, {adapter.expert_intermediate_key}) gives {ref.projection} {shape}")
 
 
 def read_expert_weight(handle, name: str, fmt: str, shard: Path | None = None) -> torch.Tensor:
