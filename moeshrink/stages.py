@@ -115,14 +115,14 @@ def upstream(upstream_cfg: dict, out_dir: Path, trained_dir: Path | None = None,
 
 
 def bf16_twin(upstream_dir: Path, out_dir: Path) -> dict:
-    from moeshrink.core.checkpoint import build_manifest, verify_folder, write_manifest
+    from moeshrink.core.checkpoint import MANIFEST_FILE, build_manifest, verify_folder, write_manifest
     from moeshrink.formats.source_experts import check_expert_headers, is_source_format
     from moeshrink.upstream import sources
     from moeshrink.upstream.twin import make_twin
 
-    prov = Provenance("bf16_twin", {}, inputs=[str(upstream_dir / "manifest.json")])
-    if (upstream_dir / "manifest.json").exists():
-        verify_folder(upstream_dir, read_json(upstream_dir / "manifest.json"))
+    prov = Provenance("bf16_twin", {}, inputs=[str(upstream_dir / MANIFEST_FILE)])
+    if (upstream_dir / MANIFEST_FILE).exists():
+        verify_folder(upstream_dir, read_json(upstream_dir / MANIFEST_FILE))
     config = read_json(upstream_dir / "config.json")
     if is_source_format(config):  # an upstream checkpoint, not a packed build
         check_expert_headers(upstream_dir, config)

@@ -189,18 +189,24 @@ def metrics(records: list[dict], kl: np.ndarray, top_k: int, decided_margin: flo
     }
 
 
+def checked_tokens(length: int, positions: int | None) -> int:
+    """How many of a checked passage's tokens the exact check reads: enough for its first `positions`
+    positions (all where None); a passage of n tokens has n - 1 positions."""
+    return min(length, positions + 1) if positions else length
+
+
 def exact_check_positions(lengths: list[int], passages: int, positions: int | None) -> np.ndarray:
-    """Where the exact check's positions lie among all positions: the first `positions` (all where None) of
-    each of the first `passages` passages (passage lengths in tokens; a passage of n tokens has n - 1)."""
+    """Where the exact check's positions lie among all positions: those of exact_prompts' prompts, the first
+    `passages` passages (lengths in tokens) each cut by checked_tokens."""
     starts = np.cumsum([0] + [n - 1 for n in lengths])
-    return np.concatenate([np.arange(starts[i], starts[i] + min(lengths[i] - 1, positions or lengths[i]))
+    return np.concatenate([np.arange(starts[i], starts[i] + checked_tokens(lengths[i], positions) - 1)
                            for i in range(min(passages, len(lengths)))] or [np.zeros(0, dtype=np.int64)])
 
 
 def exact_prompts(passages: list[tuple[str, list[int]]], cfg: dict) -> list[tuple[str, list[int]]]:
     """The check's prompts: the first `exact_check_passages` passages, each cut to its checked positions."""
-    keep = cfg["exact_check_positions"]
-    return [(pid, ids[:keep + 1] if keep else ids) for pid, ids in passages[:cfg["exact_check_passages"]]]
+    return [(pid, ids[:checked_tokens(len(ids), cfg["exact_check_positions"])])
+            for pid, ids in passages[:cfg["exact_check_passages"]]]
 
 
 def exact_check(reference_full: np.ndarray, build_full: np.ndarray, estimate: np.ndarray) -> dict:
