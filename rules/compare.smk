@@ -45,17 +45,19 @@ rule compare_pair:
         "../scripts/compare.py"
 
 
-# Which build, from the comparisons and each build's cache room (results/compare/summary.json): the report
-# shows it. The builds' order is a param: it breaks ties.
+# Which build, from the comparisons and each build's size and cache room (results/compare/summary.json),
+# and the size-fidelity frontier: the report shows it. The builds' order is a param: it breaks ties.
 rule compare_summary:
     input:
         compares=expand("results/{{run}}/compare/{build}.json", build=OTHER_BUILDS),
-        memory=expand("results/{{run}}/serve/{build}/memory.json", build=OTHER_BUILDS),
+        memory=expand("results/{{run}}/serve/{build}/memory.json", build=BUILD_IDS),
     output:
         summary="results/{run}/compare/summary.json",
     params:
         reference=REFERENCE_BUILD,
         builds=OTHER_BUILDS,
+        served=BUILD_IDS,
+        size_limits_gib=config["compare"]["size_limits_gib"],
     log:
         "logs/{run}/compare/summary.log",
     resources:

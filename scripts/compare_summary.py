@@ -5,5 +5,6 @@ from moeshrink.compare import summary
 
 builds = snakemake.params.builds
 smk.run(snakemake, lambda: summary.run({b: Path(p) for b, p in zip(builds, snakemake.input.compares)},
-                                       {b: Path(p) for b, p in zip(builds, snakemake.input.memory)},
-                                       snakemake.params.reference, Path(snakemake.output.summary)))
+                                       {b: Path(p) for b, p in zip(snakemake.params.served, snakemake.input.memory)},
+                                       snakemake.params.reference, Path(snakemake.output.summary),
+                                       snakemake.params.size_limits_gib))

@@ -28,7 +28,11 @@ TABLES_JS = """JSON.stringify({
     rows: [...t.querySelectorAll('tbody tr')].map(r => r.cells[0].textContent.trim())})),
   scripts: document.querySelectorAll('script').length,
   text: document.body.innerText,
-  svgs: document.querySelectorAll('svg').length})"""
+  svgs: document.querySelectorAll('svg').length,
+  frontier: [...document.querySelectorAll('figure.frontier')].map(f => ({
+    id: f.id, marks: [...f.querySelectorAll('g.mark')].map(g => g.dataset.build),
+    names: [...f.querySelectorAll('text.pareto-name')].map(t => t.textContent),
+    joined: f.querySelectorAll('polyline.pareto').length}))})"""
 
 
 def browser_path() -> str | None:
@@ -45,6 +49,7 @@ class PageCheck:
     scripts: int
     text: str
     svgs: int
+    frontier: list[dict]  # per frontier chart: id, marks (build ids), names (of the Pareto set), joined (lines)
 
 
 class DevTools:
@@ -122,7 +127,7 @@ def check_page(html_file: Path, screenshot: Path, width: int = 1280, timeout: fl
                 screenshot.write_bytes(base64.b64decode(shot["data"]))
                 time.sleep(0.2)  # late console messages
                 return PageCheck(errors=tools.errors(), tables=state["tables"], scripts=state["scripts"],
-                                 text=state["text"], svgs=state["svgs"])
+                                 text=state["text"], svgs=state["svgs"], frontier=state["frontier"])
         finally:
             _stop_group(process)
 

@@ -43,15 +43,20 @@ def test_a_preset_is_laid_over_the_default_and_names_only_what_differs():
         study = dict(leaves(read_layers(ROOT / "config.yaml", preset)))
         assert len(own) < len(study) / 2, preset.name
         assert [key for key, value in own.items() if default.get(key, object()) == value] == [], preset.name
-        assert load(preset, base=ROOT / "config.yaml")["builds"].keys() == default_builds()
+        named = [b for b, spec in load(preset, base=ROOT / "config.yaml")["builds"].items() if "sweep" not in spec]
+        assert named == list(default_builds())  # a preset adds builds through sweeps only
 
 
 def test_the_embedded_study_scores_knowledge_in_cloze_form_and_the_presets_by_letter():
     """The organism answers in the form it was taught (cloze); real models keep R-013's protocol."""
     assert load()["evals"]["mmlu"]["form"] == "cloze"
     for preset in PRESETS:
-        mmlu = load(preset, base=ROOT / "config.yaml")["evals"]["mmlu"]
-        assert (mmlu["form"], mmlu["shots"]) == ("letter", 5), preset.name
+        config = load(preset, base=ROOT / "config.yaml")
+        mmlu = config["evals"]["mmlu"]
+        if config["upstream"]["source"] == "organism":  # the organism's own presets (a sweep) ask it as taught
+            assert (mmlu["form"], mmlu["shots"]) == ("cloze", 0), preset.name
+        else:
+            assert (mmlu["form"], mmlu["shots"]) == ("letter", 5), preset.name
 
 
 def default_builds():
@@ -68,7 +73,7 @@ def test_unknown_key_names_the_key_and_what_is_allowed(default_config):
     config = copy.deepcopy(default_config)
     config["builds"]["twx3"]["quantise"] = {"format": "twx3"}
     [problem] = problems_of(config)
-    assert problem.startswith("builds.twx3.quantise: unknown key (allowed: label, prune, quantize)")
+    assert problem.startswith("builds.twx3.quantise: unknown key (allowed: evals, label, prune, quantize, sweep)")
 
 
 def test_missing_field_names_the_key(default_config):
@@ -299,3 +304,91 @@ def test_a_build_whose_encoder_weighs_activations_has_them_measured_for_its_shar
         if re.search(r"rule build_shard:", job) and output:
             read[output[1]] = re.findall(r"importance/(\w+)\.safetensors", re.search(r"input: (.*)", job)[1])
     assert read == {build: [build] if build.endswith("_aw") else [] for build in builds}
+
+
+# ------------------------------------------------------------------------------------------- sweeps
+def with_sweeps(default_config: dict, sweeps: dict) -> dict:
+    config = copy.deepcopy(default_config)
+    config["sweeps"] = sweeps
+    return config
+
+
+def test_a_sweep_adds_one_ordinary_build_per_grid_point_after_the_named_builds(default_config):
+    config = validate(with_sweeps(default_config, {
+        "v2": {"label": "TWX2.5 v2", "base": {"quantize": {"format": "twx2.5-v2"}},
+               "grid": {"quantize.max_bits_per_weight": [2.25, 3.0]}},
+        "cut": {"base": "pruned75", "grid": {"prune.method": ["router_sum"], "prune.keep_fraction": [0.75, 0.5]},
+                "evals": ["mmlu"]}}))
+    named = list(default_builds())
+    assert list(config["builds"]) == [*named, "v2_2_25", "v2_3", "cut_router_sum_0_75", "cut_router_sum_0_5"]
+    assert config["builds"]["v2_2_25"] == {"label": "TWX2.5 v2 (2.25 bits)", "evals": ["agreement", "mmlu"],
+                                           "quantize": {"format": "twx2.5-v2", "max_bits_per_weight": 2.25},
+                                           "sweep": "v2"}
+    assert config["builds"]["cut_router_sum_0_5"]["label"] == "router_sum (method router_sum, keeps 50%)"
+    assert config["builds"]["cut_router_sum_0_5"]["prune"] == {"method": "router_sum", "keep_fraction": 0.5}
+    assert validate(copy.deepcopy(config)) == config  # expanding an expanded config adds nothing
+
+    from moeshrink.core.rule_params import build_params
+    from moeshrink.evals import eval_builds
+
+    assert eval_builds(config, "gsm8k") == named and eval_builds(config, "facts") == named
+    assert eval_builds(config, "mmlu") == list(config["builds"])
+    assert "v2_3" in eval_builds(config, "agreement") and "cut_router_sum_0_5" not in eval_builds(config, "agreement")
+    # what makes the checkpoint, not the sweep it came from: the same params as a named build of that spec
+    twin = with_sweeps(default_config, {})
+    twin["builds"]["named"] = {"label": "Named", "quantize": {"format": "twx2.5-v2", "max_bits_per_weight": 3.0}}
+    assert build_params(config, "v2_3") == build_params(validate(twin), "named")
+
+
+@pytest.mark.parametrize("sweep, problem", [
+    ({"base": {"quantize": {"format": "twx2.5-v2"}}, "grid": {"quantize.max_bits_per_weight": [2.0]}},
+     "sweeps.s.grid[s_2].quantize.max_bits_per_weight: twx2.5-v2 stores at least 2.25 bits per weight, more than 2"),
+    ({"base": {"quantize": {"format": "twx2.5"}}, "grid": {"quantize.max_bits_per_weight": ["high"]}},
+     "sweeps.s.grid[s_high].quantize.max_bits_per_weight: 'high' is not of type 'number'"),
+    ({"base": "pruned75", "grid": {"prune.keep_fraction": [0.03]}},
+     "sweeps.s.grid[s_0_03].prune.keep_fraction: 0.03 keeps 2 of 64 experts, but a layer needs at least top-k = 4"),
+    ({"base": "pruned75", "grid": {"prune.keep_fraction": [0.0]}},
+     "sweeps.s.grid[s_0].prune.keep_fraction: 0.0 is less than or equal to the minimum of 0"),
+    ({"base": "ghost", "grid": {"prune.keep_fraction": [0.5]}},
+     "sweeps.s.base: 'ghost' is not a build of builds (builds: original, pruned75, twx3, twx2_5)"),
+    ({"base": "twx3", "grid": {"label.text": ["x"]}}, "sweeps.s.grid.label.text: not a key a build is made by"),
+    ({"base": "twx3", "grid": {"bits": [3]}},
+     "sweeps.s.grid: key 'bits' is not a build key as a dotted path (e.g. quantize.max_bits_per_weight, "
+     "prune.keep_fraction)"),
+    ({"base": "twx3", "grid": {"quantize.format": ["twx3"]}, "evals": ["mmlu", "hellaswag"]},
+     "sweeps.s.evals: 'hellaswag' not configured under evals (configured: mmlu, gsm8k, facts, toolcalls, agreement)"),
+])
+def test_a_grid_point_that_cannot_be_built_is_refused_naming_the_sweep_and_key(default_config, sweep, problem):
+    problems = problems_of(with_sweeps(default_config, {"s": sweep}))
+    assert any(p.startswith(problem) for p in problems), problems
+
+
+def test_a_grid_point_named_like_a_build_is_refused(default_config):
+    config = with_sweeps(default_config, {"twx2": {"base": {"quantize": {"format": "twx2.5"}},
+                                                   "grid": {"quantize.max_bits_per_weight": [5]}}})
+    assert problems_of(config) == ["sweeps.twx2.grid: the point 'twx2_5' collides with builds.twx2_5; rename the sweep"]
+    config = with_sweeps(default_config, {
+        "a": {"base": "twx3", "grid": {"quantize.format": ["x_y"]}},
+        "a_x": {"base": "twx3", "grid": {"quantize.format": ["y"]}}})
+    assert "sweeps.a_x.grid: the point 'a_x_y' collides with sweeps.a; rename the sweep" in problems_of(config)
+
+
+def test_the_reference_runs_every_eval(default_config):
+    config = copy.deepcopy(default_config)
+    config["builds"]["original"]["evals"] = ["mmlu"]
+    assert problems_of(config) == ["builds.original.evals: the reference runs every eval (every build is compared "
+                                   "with it)"]
+
+
+KIMI_SWEEP = [ROOT / "presets/kimi-k3.1-pro.yaml", ROOT / "presets/layers/kimi-k3.1-pro-sweep.yaml"]
+
+
+def test_the_kimi_sweep_is_a_layer_over_its_preset_and_dry_runs():
+    config = load(*KIMI_SWEEP)
+    points = [b for b, spec in config["builds"].items() if "sweep" in spec]
+    assert len(points) == 7 and config["run"] == "kimi-k3.1-pro-sweep"
+    assert config["serve"]["tensor_parallel_size"] == 8 and config["evals"]["mmlu"]["form"] == "letter"
+    result = snakemake_dry_run("--forceall", "--configfile", *map(str, KIMI_SWEEP),
+                               target="report/kimi-k3.1-pro-sweep/r013.html")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "upstream" in result.stdout and "report" in result.stdout

@@ -60,7 +60,7 @@ def test_a_toy_eval_needs_only_its_own_module(toy, default_config):
     assert (toy_compared["only_a"], toy_compared["only_b"]) == (60, 0)
     assert toy_compared["verdict"] == "fail" and toy_compared["drop_points"] == pytest.approx(30.0)
 
-    builds = {"twx3": build_summary(compared, {"kv_cache_tokens": 1000})}
+    builds = {"twx3": build_summary(compared, {"kv_cache_tokens": 1000, "weights_gib": 1.0})}
     assert builds["twx3"]["verdicts"]["toy"]["verdict"] == "fail" and choose(builds)["failing"] == ["twx3"]
     results = Results(upstream={}, evals={"original": {"toy": result("original", reference)},
                                           "twx3": {"toy": result("twx3", build)}}, compare={"twx3": compared},

@@ -34,12 +34,15 @@ def page_with(summary: dict | None) -> Page:
 def test_which_build_is_the_summarys_choice_and_nothing_else():
     summary = {"builds": {"a": {"verdicts": {"mmlu": {"verdict": "pass", "reason": "r"}}, "passes": True},
                           "b": {"verdicts": {"mmlu": {"verdict": "cannot tell", "reason": "r"}}, "passes": None}},
-               "qualifying": ["a"], "failing": [], "undecided": ["b"], "fidelity": "a", "room": "a"}
+               "qualifying": ["a"], "failing": [], "undecided": ["b"], "fidelity": "a", "room": "a", "smallest": "a",
+               "within_size": [{"size_gib": 1.0, "build": "a"}]}
     page = page_with(summary)
-    assert page.which_build() == {"qualifying": ["a"], "failing": [], "undecided": ["b"], "fidelity": "a", "room": "a"}
+    assert page.which_build() == {"qualifying": ["a"], "failing": [], "undecided": ["b"], "fidelity": "a", "room": "a",
+                                  "smallest": "a", "within_size": [{"size_gib": 1.0, "build": "a"}]}
     assert (page.passes("a"), page.passes("b"), page.verdicts("b")) == (True, None, ["cannot tell"])
     assert page_with(None).which_build() == {"qualifying": [], "failing": [], "undecided": [], "fidelity": None,
-                                             "room": None}
+                                             "room": None, "smallest": None, "within_size": []}
+    assert page.frontier() is None  # three builds: no frontier section
 
 
 def test_the_agreement_table_says_where_the_kl_estimate_misses_its_exact_check():

@@ -17,14 +17,17 @@ def compared(build: str, verdicts: dict[str, str], agreement: float | None = Non
     return {"a": "original", "b": build, "evals": evals}
 
 
-def summarise(tmp_path, builds: dict[str, tuple[dict, int]]) -> dict:
+def summarise(tmp_path, builds: dict[str, tuple], size_limits_gib: list[float] = (),
+              reference: tuple[int, float] = (4000, 10.0)) -> dict:
+    """builds: build -> (comparison, KV-cache tokens[, weights GiB per card: 1.0]); the reference's (tokens, GiB)."""
     compares, memory = {}, {}
-    for build, (comparison, tokens) in builds.items():
-        compares[build] = tmp_path / f"{build}.json"
-        compares[build].write_text(json.dumps(comparison))
+    for build, (comparison, tokens, *weights) in {"original": (None, *reference), **builds}.items():
+        if comparison is not None:
+            compares[build] = tmp_path / f"{build}.json"
+            compares[build].write_text(json.dumps(comparison))
         memory[build] = tmp_path / f"{build}-memory.json"
-        memory[build].write_text(json.dumps({"kv_cache_tokens": tokens}))
-    run(compares, memory, "original", tmp_path / "summary.json")
+        memory[build].write_text(json.dumps({"kv_cache_tokens": tokens, "weights_gib": weights[0] if weights else 1.0}))
+    run(compares, memory, "original", tmp_path / "summary.json", size_limits_gib)
     return json.loads((tmp_path / "summary.json").read_text())
 
 
@@ -72,3 +75,25 @@ def test_fidelity_ranks_by_agreement_where_the_reference_decides(tmp_path):
     })
     assert summary["fidelity"] == "twx3"
     assert summary["builds"]["twx2_5"]["decided_top1_agreement"] == 0.990
+
+
+def test_the_smallest_passing_build_the_most_faithful_within_each_size_and_the_frontier(tmp_path):
+    """Sizes in GiB per card; agreement where the reference decides. v2_3 is beaten by twx3 (as small, more
+    faithful): off the frontier; pruned fails: on the frontier (nothing as small is as faithful) but never chosen."""
+    summary = summarise(tmp_path, {
+        "twx3": (compared("twx3", {"mmlu": "pass"}, 0.95, 0.002, decided=0.99), 3900, 7.0),
+        "v2_3": (compared("v2_3", {"mmlu": "pass"}, 0.95, 0.004, decided=0.98), 3900, 7.0),
+        "twx2_5": (compared("twx2_5", {"mmlu": "pass"}, 0.93, 0.006, decided=0.97), 6000, 6.0),
+        "v2_2_25": (compared("v2_2_25", {"mmlu": "cannot tell"}, 0.90, 0.02, decided=0.95), 6500, 5.0),
+        "pruned": (compared("pruned", {"mmlu": "fail"}, 0.60, 0.9, decided=0.7), 9000, 3.0),
+    }, size_limits_gib=[6.5, 8.0, 4.0])
+    assert summary["smallest"] == "twx2_5"  # v2_2_25 and pruned are smaller but do not pass
+    assert summary["within_size"] == [{"size_gib": 6.5, "build": "twx2_5"}, {"size_gib": 8.0, "build": "twx3"},
+                                      {"size_gib": 4.0, "build": None}]
+    frontier = summary["frontier"]
+    assert frontier["size_agreement"] == ["original", "twx3", "twx2_5", "v2_2_25", "pruned"]
+    assert frontier["size_kl"] == ["original", "twx3", "twx2_5", "v2_2_25", "pruned"]
+    assert frontier["kv_agreement"] == ["original", "twx2_5", "v2_2_25", "pruned"]  # twx3: less room than the original
+    assert frontier["size_mmlu"] == ["original", "pruned"]  # every build drops 1 point: the smallest beats the rest
+    assert summary["reference_figures"] == {"top1_agreement": 1.0, "decided_top1_agreement": 1.0, "mean_kl": 0.0,
+                                            "drops": {"mmlu": 0.0}, "kv_cache_tokens": 4000, "weights_gib": 10.0}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from moeshrink.core import eval_kinds, expert_formats, prune_methods
+from moeshrink.core import eval_kinds, expert_formats, prune_methods, sweeps
 from moeshrink.core.errors import MoeshrinkError
 
 SCHEMA_FILE = "config.schema.yaml"  # package data of moeshrink.core: every key, its type, default and meaning
@@ -48,6 +48,9 @@ def _describe(error) -> list[str]:
     if error.validator == "required":
         missing = re.findall(r"'([^']+)' is a required property", error.message)
         return [f"{_key_path(path + missing)}: missing (required)"]
+    if "propertyNames" in error.schema_path and path[-1:] == ["grid"]:
+        return [f"{_key_path(path)}: key {error.instance!r} is not a build key as a dotted path "
+                "(e.g. quantize.max_bits_per_weight, prune.keep_fraction)"]
     if "propertyNames" in error.schema_path:
         return [f"{_key_path(path)}: key {error.instance!r} is not a plain identifier (lowercase letters, digits, _)"]
     if error.validator == "oneOf" and error.context:
@@ -56,13 +59,26 @@ def _describe(error) -> list[str]:
     return [f"{_key_path(path)}: {error.message}"]
 
 
-def schema_problems(config: dict, schema: dict) -> list[str]:
+def schema_problems(config: dict, schema: dict, prefix: str = "") -> list[str]:
+    """Every schema violation, each naming its key path (under `prefix`, where `config` is a part of one)."""
     from jsonschema import Draft202012Validator
 
     validator = Draft202012Validator(schema)
     problems: list[str] = []
     for error in sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path]):
-        problems += _describe(error)
+        problems += [f"{prefix}.{problem}" if prefix else problem for problem in _describe(error)]
+    return problems
+
+
+def sweep_point_problems(config: dict, schema: dict) -> list[str]:
+    """Each sweep point checked as a build (schema first), each problem naming the sweep and the point."""
+    build_schema = {"$defs": schema["$defs"], **schema["properties"]["builds"]["additionalProperties"]}
+    problems: list[str] = []
+    for build_id, build in config["builds"].items():
+        if sweeps.SWEEP_KEY in build:
+            where = sweeps.where(build[sweeps.SWEEP_KEY], build_id)
+            found = schema_problems(build, build_schema, where)
+            problems += found or build_problems(config, where, build)
     return problems
 
 
@@ -87,8 +103,13 @@ def semantic_problems(config: dict) -> list[str]:
         for step in ("prune", "quantize"):
             if step in build and build_id == config["reference_build"]:
                 problems.append(f"builds.{build_id}.{step}: the reference build must be the upstream as published")
-        problems += prune_problems(build_id, build.get("prune"), config["upstream"]["source"])
-        problems += quantize_problems(build_id, build.get("quantize"), config["upstream"]["source"])
+        if build_id == config["reference_build"] and build.get("evals") is not None:
+            problems.append(f"builds.{build_id}.evals: the reference runs every eval (every build is compared with it)")
+        unknown = [e for e in build.get("evals") or [] if e not in config["evals"] or e == "client"]
+        if unknown and sweeps.SWEEP_KEY not in build:
+            problems.append(f"builds.{build_id}.evals: {', '.join(map(repr, unknown))} not configured under evals")
+        if sweeps.SWEEP_KEY not in build:  # a sweep's points were checked as its points
+            problems += build_problems(config, f"builds.{build_id}", build)
     gsm8k = config["evals"].get("gsm8k")
     if gsm8k:
         for build_id in gsm8k["builds"] or []:
@@ -155,42 +176,60 @@ def _registered(get, name: str, where: str):
         return None, [str(error)]
 
 
-def prune_problems(build_id: str, prune_spec: dict | None, source: str) -> list[str]:
-    """A build's prune method must be registered; calibration text is given to the methods that read it."""
+def build_problems(config: dict, where: str, build: dict) -> list[str]:
+    """What is wrong with how one build is made; `where` names it (builds.twx3, or a sweep's point)."""
+    source = config["upstream"]["source"]
+    model = (config["upstream"].get("organism") or {}).get("model") if source == "organism" else None
+    return [*prune_problems(where, build.get("prune"), source, model),
+            *quantize_problems(where, build.get("quantize"), source)]
+
+
+def prune_problems(where: str, prune_spec: dict | None, source: str, model: dict | None = None) -> list[str]:
+    """A build's prune method must be registered; calibration text is given to the methods that read it; the
+    keep fraction keeps a count of experts a layer can route to (checked here where the model is known
+    before its checkpoint: the organism's)."""
     if not prune_spec:
         return []
-    method, unknown = _registered(prune_methods.get, prune_spec["method"], f"builds.{build_id}.prune.method")
+    method, unknown = _registered(prune_methods.get, prune_spec["method"], f"{where}.prune.method")
     if method is None:
         return unknown
+    problems = []
+    if model and all(key in model for key in ("n_routed_experts", "num_experts_per_tok", "n_group")):
+        from moeshrink.compress.prune import PruneConfigError, kept_count
+
+        try:
+            kept_count(model["n_routed_experts"], prune_spec["keep_fraction"], model["num_experts_per_tok"],
+                       model["n_group"], where=f"{where}.prune.keep_fraction")
+        except PruneConfigError as error:
+            problems.append(str(error))
     calibration = prune_spec.get("calibration")
     if not method.calibrated:
-        return [f"builds.{build_id}.prune.calibration: method {method.name} reads no calibration text"] \
-            if calibration is not None else []
+        return problems + ([f"{where}.prune.calibration: method {method.name} reads no calibration text"]
+                           if calibration is not None else [])
     if calibration is None:
-        return [f"builds.{build_id}.prune.calibration: required for method {method.name} (file, sequences, seq_len)"]
+        return problems + [f"{where}.prune.calibration: required for method {method.name} (file, sequences, seq_len)"]
     if calibration["file"] is None and source != "organism":
-        return [f"builds.{build_id}.prune.calibration.file: required unless upstream.source is organism (whose "
-                "corpus is the default)"]
-    return []
+        return problems + [f"{where}.prune.calibration.file: required unless upstream.source is organism (whose "
+                           "corpus is the default)"]
+    return problems
 
 
-def quantize_problems(build_id: str, quantize_spec: dict | None, source: str) -> list[str]:
+def quantize_problems(where: str, quantize_spec: dict | None, source: str) -> list[str]:
     """A build's expert format must be registered, its bit budget one the format can keep, and calibration
     text given only to a format in which it decides something (`ExpertFormat.output_aware_steps`)."""
     if not quantize_spec:
         return []
-    expert_format, unknown = _registered(expert_formats.get, quantize_spec["format"],
-                                         f"builds.{build_id}.quantize.format")
+    expert_format, unknown = _registered(expert_formats.get, quantize_spec["format"], f"{where}.quantize.format")
     if expert_format is None:  # an unknown format: the rest cannot be checked
         return unknown
     budget = quantize_spec.get("max_bits_per_weight")
     problem = budget is not None and expert_format.budget_problem(
-        budget, f"builds.{build_id}.quantize.max_bits_per_weight")
+        budget, f"{where}.quantize.max_bits_per_weight")
     problems = [problem] if problem else []
-    problems += expert_formats.output_aware_problems(quantize_spec, f"builds.{build_id}.quantize")
+    problems += expert_formats.output_aware_problems(quantize_spec, f"{where}.quantize")
     calibration = quantize_spec.get("calibration")
     if calibration is not None and calibration["file"] is None and source != "organism":
-        problems.append(f"builds.{build_id}.quantize.calibration.file: required unless upstream.source is organism "
+        problems.append(f"{where}.quantize.calibration.file: required unless upstream.source is organism "
                         "(whose corpus is the default)")
     return problems
 
@@ -226,6 +265,8 @@ def validate(config: dict, source: str = "config", schema: dict | None = None) -
     problems = schema_problems(config, schema)
     if not problems:
         fill_defaults(config, schema)
+        problems = sweeps.expand(config) + sweep_point_problems(config, schema)
+    if not problems:
         problems = semantic_problems(config)
     if problems:
         raise ConfigError(problems, source)

@@ -9,7 +9,8 @@ from moeshrink.core import expert_formats
 
 OPERATIONAL_SERVE_KEYS = ("startup_timeout_s", "stop_timeout_s", "idle_grace_s", "servers_per_machine")
 THREADS = "threads"  # of the organism's training and card: jobs take it from their rule's `threads:`
-DISPLAY_BUILD_KEYS = ("label",)
+# what a build is called, which sweep made it and which evals it runs: not how its checkpoint is made
+NOT_MADE_BY_KEYS = ("label", "sweep", "evals")
 # which builds an eval runs on decides which jobs exist, not what one job writes
 EVAL_SCHEDULING_KEYS = ("builds",)
 
@@ -35,7 +36,7 @@ def serve_params(config: dict) -> dict:
 def build_params(config: dict, build_id: str) -> dict:
     """How a build is made: its prune and quantize specs, never its label; what its quantize calibration
     decides as a sorted list, whether the config lists it (in any order) or leaves it to the format."""
-    build = _without(config["builds"][build_id], DISPLAY_BUILD_KEYS)
+    build = _without(config["builds"][build_id], NOT_MADE_BY_KEYS)
     quantize = build.get("quantize")
     if quantize and quantize.get("calibration") is not None:
         build["quantize"] = {**quantize, "output_aware": sorted(expert_formats.calibrated_steps(quantize))}

@@ -14,5 +14,7 @@ def configured_evals(config: dict) -> list[str]:
 
 
 def eval_builds(config: dict, eval_id: str) -> list[str]:
-    """The builds an eval runs for: every build, except where config narrows it (gsm8k.builds)."""
-    return config["evals"][eval_id].get("builds") or list(config["builds"])
+    """The builds an eval runs for: every build, except where config narrows it (gsm8k.builds, a build's or
+    a sweep point's `evals`)."""
+    named = config["evals"][eval_id].get("builds") or list(config["builds"])
+    return [b for b in named if config["builds"][b].get("evals") is None or eval_id in config["builds"][b]["evals"]]

@@ -136,3 +136,75 @@ def interval_dots(rows: list[dict], unit: str, title: str, fmt: str = "{:.3g}",
         body.append(f'<circle cx="{axis(row["value"]):.1f}" cy="{y:.1f}" r="4.5" fill="{colour}"/>')
         body.append(_text(width - right + 8, y + 4, fmt.format(row["value"]) + unit))
     return _svg(width, height, title, body)
+
+
+SHAPES = {"reference": "diamond", "quantize": "circle", "prune": "square", "prune+quantize": "triangle"}
+
+
+def _mark(shape: str, x: float, y: float, colour: str, size: float = 5.5) -> str:
+    if shape == "circle":
+        return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{size:.1f}" fill="{colour}"/>'
+    if shape == "square":
+        return f'<rect x="{x - size:.1f}" y="{y - size:.1f}" width="{2 * size:.1f}" height="{2 * size:.1f}" fill="{colour}"/>'
+    if shape == "triangle":
+        return (f'<polygon points="{x:.1f},{y - size - 1:.1f} {x + size + 1:.1f},{y + size:.1f} {x - size - 1:.1f},'
+                f'{y + size:.1f}" fill="{colour}"/>')
+    return (f'<polygon points="{x:.1f},{y - size - 1:.1f} {x + size + 1:.1f},{y:.1f} {x:.1f},{y + size + 1:.1f} '
+            f'{x - size - 1:.1f},{y:.1f}" fill="{colour}"/>')
+
+
+def frontier(points: list[dict], pareto: list[str], x_title: str, y_title: str, title: str,
+             y_fmt: str = "{:.3g}", y_bounds: tuple[float, float] = (float("-inf"), float("inf")),
+             mark_line: tuple[float, str] | None = None) -> Markup:
+    """One mark per build at (x, y), whiskers from low to high where given; its shape says how it was made
+    (SHAPES: reference, quantize, prune, both), its colour the format or method (`group`); the `pareto` builds
+    joined by a line in x order and named. points: build, label, x, y, low, high, kind, group. mark_line:
+    (y, text), a dashed line such as the pass mark."""
+    width, height, left, right, top, bottom = 720, 380, 70, 20, 46, 45
+    groups = list(dict.fromkeys(p["group"] for p in points))
+    colour_of = {group: COLOURS[i % len(COLOURS)] for i, group in enumerate(groups)}
+    xs = [p["x"] for p in points]
+    ys = [v for p in points for v in (p["y"], p.get("low"), p.get("high")) if v is not None]
+    x_axis = Axis(*_padded(xs), left, width - right)
+    y_axis = Axis(*_padded(ys, include=[mark_line[0]] if mark_line else [], bounds=y_bounds), height - bottom, top)
+    body = [f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
+            f'fill="none" stroke="#ccc"/>']
+    legend_x = left
+    for group in groups:
+        kinds = {p["kind"] for p in points if p["group"] == group}
+        shape = SHAPES[next(iter(kinds))] if len(kinds) == 1 else "circle"
+        body.append(_mark(shape, legend_x + 6, 14, colour_of[group], 4.5))
+        body.append(_text(legend_x + 14, 18, group))
+        legend_x += 24 + 7 * len(group)
+    body.append(_text(left, 36, "on the frontier: joined and named; every mark's name shows on hover",
+                      extra='fill="#666"'))
+    for tick in _ticks(y_axis):
+        body.append(_text(left - 6, y_axis(tick) + 4, y_fmt.format(tick), "end"))
+    for tick in _ticks(x_axis, 4):
+        body.append(_text(x_axis(tick), height - bottom + 15, _size_tick(tick), "middle"))
+    if mark_line:
+        line_y = y_axis(mark_line[0])
+        body.append(f'<line x1="{left}" x2="{width - right}" y1="{line_y:.1f}" y2="{line_y:.1f}" stroke="#aa1111" '
+                    f'stroke-dasharray="5,4"/>')
+        body.append(_text(width - right - 4, line_y - 4, mark_line[1], "end", 'fill="#aa1111"'))
+    on_frontier = sorted((p for p in points if p["build"] in pareto), key=lambda p: p["x"])
+    if len(on_frontier) > 1:
+        path = " ".join(f"{x_axis(p['x']):.1f},{y_axis(p['y']):.1f}" for p in on_frontier)
+        body.append(f'<polyline class="pareto" points="{path}" fill="none" stroke="#333" stroke-width="1.5"/>')
+    for point in points:
+        colour = colour_of[point["group"]]
+        x, y = x_axis(point["x"]), y_axis(point["y"])
+        mark = [f'<g class="mark" data-build="{escape(point["build"])}"><title>{escape(point["label"])}</title>']
+        if point.get("low") is not None and point.get("high") is not None:
+            mark.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y_axis(point["low"]):.1f}" '
+                        f'y2="{y_axis(point["high"]):.1f}" stroke="{colour}" stroke-width="1.5"/>')
+        mark.append(_mark(SHAPES[point["kind"]], x, y, colour) + "</g>")
+        body.append("".join(mark))
+        if point["build"] in pareto:
+            near_right = x > left + 0.75 * (width - left - right)
+            body.append(_text(x - 8 if near_right else x + 8, y - 7, point["label"], "end" if near_right else "start",
+                              f'class="pareto-name" fill="{colour}"'))
+    body.append(_text((left + width - right) / 2, height - 8, x_title, "middle"))
+    body.append(_text(14, (top + height - bottom) / 2, y_title, "middle",
+                      f'transform="rotate(-90 14 {(top + height - bottom) / 2:.1f})"'))
+    return _svg(width, height, title, body)

@@ -17,6 +17,7 @@ from moeshrink.core import eval_kinds
 from moeshrink.core.ioutil import atomic_write_text
 from moeshrink.core.layout import benchmarks_dir
 from moeshrink.core.provenance import Provenance, config_hash
+from moeshrink.core.sweeps import method_label
 from moeshrink.report import charts
 from moeshrink.report.load import ReportError, Results, load  # noqa: F401 (ReportError: what render raises)
 from moeshrink.report.report_inputs import input_files  # noqa: F401 (the report rule's inputs)
@@ -33,6 +34,14 @@ from moeshrink.report.text import (
     ratio_text,
 )
 
+FRONTIER_CAPTIONS = {
+    "size_agreement": "Size against next-word agreement where the original decides (its top token leads by the decided "
+                      "margin): up and left is better.",
+    "size_kl": "Size against drift (mean KL from the original's next-token distribution): down and left is better.",
+    "size_mmlu": "Size against the MMLU drop, a bar up to its at-worst bound, the dashed line at the pass mark: down and "
+                 "left is better.",
+    "kv_agreement": "KV-cache room (tokens per card) against next-word agreement: up and right is better.",
+}
 SHARD_FILE = re.compile(r"model-\d+-of-\d+(\.safetensors)?$")
 
 
@@ -240,6 +249,98 @@ class Page:
                 bounds=(0.0, float("inf")))
         return out
 
+    def build_kind(self, build_id: str) -> tuple[str, str]:
+        """(how a build was made: charts.SHAPES' key, its format or method: the mark's colour)."""
+        spec = self.config["builds"][build_id]
+        kind = "+".join(step for step in ("prune", "quantize") if spec.get(step)) or "reference"
+        return kind, method_label(spec) or self.label(build_id)
+
+    def frontier(self) -> dict | None:
+        """The size-fidelity frontier (compare/summary.json's Pareto sets), shown when a study has more than the
+        reference and two builds: charts and a table, one row per build."""
+        summary = self.results.summary or {}
+        if len(self.builds) <= 3 or "frontier" not in summary:
+            return None
+        figures = {self.reference: summary["reference_figures"], **summary["builds"]}
+        scale, unit = (1e9, "GB") if max(f["weights_gib"] for f in figures.values()) * 2**30 >= 1e9 else (1e6, "MB")
+
+        def point(build_id: str, x: float, y: float, low=None, high=None) -> dict:
+            kind, group = self.build_kind(build_id)
+            return {"build": build_id, "label": self.label(build_id), "x": x, "y": y, "low": low, "high": high,
+                    "kind": kind, "group": group}
+
+        def size(build_id: str) -> float:
+            return figures[build_id]["weights_gib"] * 2**30 / scale
+
+        agreement, kl, mmlu = [], [], []
+        for build_id in self.builds:
+            metrics = (self.results.evals.get(build_id, {}).get("agreement") or {}).get("metrics")
+            if build_id == self.reference:
+                agreement.append(point(build_id, size(build_id), 100.0))
+                kl.append(point(build_id, size(build_id), 0.0))
+            elif metrics:
+                shown = metrics["decided_top1_agreement"] if metrics["decided_top1_agreement"]["value"] is not None \
+                    else metrics["top1_agreement"]
+                agreement.append(point(build_id, size(build_id), 100 * shown["value"], 100 * shown["ci95"][0],
+                                       100 * shown["ci95"][1]))
+                kl.append(point(build_id, size(build_id), metrics["mean_kl"]["value"], *metrics["mean_kl"]["ci95"]))
+            paired = self.paired(build_id, "mmlu")
+            if build_id == self.reference or paired:
+                mmlu.append(point(build_id, size(build_id), paired["drop_points"] if paired else 0.0,
+                                  paired["drop_points"] if paired else None, paired["at_worst_points"] if paired else None))
+        sets = summary["frontier"]
+        size_title = f"weights per card (decimal {unit}, measured)"
+        charts_out = {}
+        if len(agreement) > 1:
+            charts_out["size_agreement"] = charts.frontier(
+                agreement, sets["size_agreement"], size_title, "next-word agreement where the original decides (%)",
+                "Size against next-word agreement: the frontier", "{:.1f}", (0.0, 100.0))
+            charts_out["size_kl"] = charts.frontier(
+                kl, sets["size_kl"], size_title, "drift: mean KL from the original (nats)",
+                "Size against drift: the frontier", "{:.3g}", (0.0, float("inf")))
+            charts_out["kv_agreement"] = charts.frontier(
+                [{**p, "x": figures[p["build"]]["kv_cache_tokens"]} for p in agreement], sets["kv_agreement"],
+                "KV-cache tokens per card (measured)", "next-word agreement where the original decides (%)",
+                "KV-cache room against next-word agreement: the frontier", "{:.1f}", (0.0, 100.0))
+        if len(mmlu) > 1:
+            mark = self.judging["pass_mark_points"]
+            charts_out["size_mmlu"] = charts.frontier(
+                mmlu, sets["size_mmlu"], size_title, "MMLU: points below the original (up = worse)",
+                "Size against the MMLU drop, with its at-worst bound and the pass mark", "{:.1f}",
+                mark_line=(mark, f"pass mark: {mark:g} point{'' if mark == 1 else 's'} below"))
+        return {"charts": charts_out, "table": self.frontier_table(figures, sets), "sets": sets,
+                "captions": FRONTIER_CAPTIONS}
+
+    def frontier_table(self, figures: dict[str, dict], sets: dict[str, list[str]]) -> Markup:
+        rows = []
+        for build_id in self.builds:
+            manifest, prediction = self.results.manifests[build_id], self.results.predictions[build_id]
+            metrics = (self.results.evals.get(build_id, {}).get("agreement") or {}).get("metrics")
+            paired = self.paired(build_id, "mmlu")
+            on = [label for name, label in (("size_agreement", "size/agreement"), ("size_kl", "size/KL"),
+                                           ("size_mmlu", "size/MMLU"), ("kv_agreement", "KV/agreement"))
+                  if build_id in sets[name]]
+            verdict = paired["verdict"] if paired else ("reference" if build_id == self.reference else "-")
+            rows.append({
+                "Build": self.label(build_id), "Made by": made_by(self.config["builds"][build_id]),
+                "Weights": decimal_size(manifest["total_bytes"]),
+                "Bits per routed weight": f"{manifest['routed_expert_bits_per_weight']:.3f}",
+                "Agreement where the original decides [95% CI]":
+                    "reference" if build_id == self.reference else self._decided_text(metrics) if metrics else "-",
+                "Mean KL (nats) [95% CI]": "reference" if build_id == self.reference else
+                    (f"{metrics['mean_kl']['value']:.4f} [{metrics['mean_kl']['ci95'][0]:.4f}, "
+                     f"{metrics['mean_kl']['ci95'][1]:.4f}]" if metrics else "-"),
+                "MMLU drop (points), at worst": f"{paired['drop_points']:+.1f}, {paired['at_worst_points']:+.1f}"
+                    if paired else "-",
+                "MMLU verdict": verdict,
+                "Weights per card (GiB), measured": f"{figures[build_id]['weights_gib']:.4g}",
+                f"predicted ({prediction['card']}, TP {prediction['tensor_parallel_size']})":
+                    f"{prediction['weights_gib']:.4g}",
+                "KV-cache tokens per card, measured": f"{figures[build_id]['kv_cache_tokens']:,}",
+                "predicted": f"{prediction['kv_cache_tokens']:,}",
+                "On the frontier": ", ".join(on) or "-"})
+        return html_table(pd.DataFrame(rows))
+
     def verdicts(self, build_id: str) -> list[str]:
         summary = self.results.summary
         return [v["verdict"] for v in summary["builds"][build_id]["verdicts"].values()] if summary else []
@@ -253,8 +354,8 @@ class Page:
     def which_build(self) -> dict:
         """The choice as results/compare/summary.json made it."""
         summary = self.results.summary or {}
-        return {key: summary.get(key) or ([] if key in ("qualifying", "failing", "undecided") else None)
-                for key in ("qualifying", "failing", "undecided", "fidelity", "room")}
+        return {key: summary.get(key) or ([] if key in ("qualifying", "failing", "undecided", "within_size") else None)
+                for key in ("qualifying", "failing", "undecided", "fidelity", "room", "smallest", "within_size")}
 
     def headline(self) -> list[str]:
         """One sentence per build, from its files."""
@@ -344,7 +445,7 @@ def context(results: Results, config: dict, benchmark_dir: Path) -> dict:
         "agreement_table": page.agreement_table(), "memory_table": page.memory_table(),
         "failed_memory_checks": page.failed_memory_checks(),
         "memory_reference": reference_memory, "charts": page.charts(),
-        "pruned": page.pruned_sections(), "serving_flags": page.serving_flags(),
+        "pruned": page.pruned_sections(), "serving_flags": page.serving_flags(), "frontier": page.frontier(),
         "stage_times": stage_times(benchmark_dir),
         "eval_counts": eval_counts(results, page.reference),
         "files": results.files,
