@@ -145,12 +145,14 @@ def _mark(shape: str, x: float, y: float, colour: str, size: float = 5.5) -> str
     if shape == "circle":
         return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{size:.1f}" fill="{colour}"/>'
     if shape == "square":
-        return f'<rect x="{x - size:.1f}" y="{y - size:.1f}" width="{2 * size:.1f}" height="{2 * size:.1f}" fill="{colour}"/>'
+        return (f'<rect x="{x - size:.1f}" y="{y - size:.1f}" width="{2 * size:.1f}" height="{2 * size:.1f}" '
+                f'fill="{colour}"/>')
     if shape == "triangle":
-        return (f'<polygon points="{x:.1f},{y - size - 1:.1f} {x + size + 1:.1f},{y + size:.1f} {x - size - 1:.1f},'
-                f'{y + size:.1f}" fill="{colour}"/>')
-    return (f'<polygon points="{x:.1f},{y - size - 1:.1f} {x + size + 1:.1f},{y:.1f} {x:.1f},{y + size + 1:.1f} '
-            f'{x - size - 1:.1f},{y:.1f}" fill="{colour}"/>')
+        corners = [(x, y - size - 1), (x + size + 1, y + size), (x - size - 1, y + size)]
+    else:  # a diamond
+        corners = [(x, y - size - 1), (x + size + 1, y), (x, y + size + 1), (x - size - 1, y)]
+    points = " ".join(f"{a:.1f},{b:.1f}" for a, b in corners)
+    return f'<polygon points="{points}" fill="{colour}"/>'
 
 
 def frontier(points: list[dict], pareto: list[str], x_title: str, y_title: str, title: str,
