@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moeshrink.core.config import read_layers
+from moeshrink.core.config import load
 from moeshrink.core.machine import CpuFacts
 from moeshrink.serve import memory
 from moeshrink.serve.memory import GIB, Tensor
@@ -196,9 +196,9 @@ STAND_INS = {
 }
 
 
-@pytest.mark.parametrize("preset", sorted(STAND_INS))
-def test_planner_runs_on_the_presets(preset, tmp_path):
-    config = read_layers(ROOT / "config.yaml", ROOT / "presets" / preset)
+def plan_with_stand_in(preset: str, tmp_path: Path, *layers: Path) -> tuple[dict, subprocess.CompletedProcess, list]:
+    """`moeshrink plan` on a preset (and layers over it) against its stand-in checkpoint, header only."""
+    config = load(ROOT / "presets" / preset, *layers, base=ROOT / "config.yaml")
     hf = config["upstream"]["hf"]
     snapshot = tmp_path / "hub" / f"models--{hf['repo_id'].replace('/', '--')}" / "snapshots" / hf["revision"]
     snapshot.mkdir(parents=True)
@@ -207,10 +207,16 @@ def test_planner_runs_on_the_presets(preset, tmp_path):
     header_only_safetensors(snapshot / "model.safetensors", tensors_of(model_config))
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-m", "moeshrink", "plan", "--config", str(ROOT / "presets" / preset),
-                             "--results", str(tmp_path / "results"), "--json", str(tmp_path / "plan.json")],
+                             *map(str, layers), "--results", str(tmp_path / "results"),
+                             "--json", str(tmp_path / "plan.json")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    return config, result, json.loads((tmp_path / "plan.json").read_text())["rows"]
+
+
+@pytest.mark.parametrize("preset", sorted(STAND_INS))
+def test_planner_runs_on_the_presets(preset, tmp_path):
+    config, result, rows = plan_with_stand_in(preset, tmp_path)
     assert len(rows) == len(config["builds"]) * len(config["plan"]["gpus"]) * len(config["plan"]["tensor_parallel_sizes"])
     assert all(gpu in result.stdout for gpu in config["plan"]["gpus"])
     weights = {row["build"]: row["weights_bytes"] for row in rows
@@ -219,6 +225,19 @@ def test_planner_runs_on_the_presets(preset, tmp_path):
     by_tp = [row["weights_bytes"] for row in rows if row["build"] == "original" and row["gpu"] == "H200"]
     assert by_tp == sorted(by_tp, reverse=True)
     assert {row["sizes_from"] for row in rows} == {"upstream", "modelled"}
+
+
+def test_planner_predicts_every_point_of_the_kimi_sweep(tmp_path):
+    """The sweep layer over the Kimi preset: every grid point planned on every card, smaller budgets and
+    keep fractions smaller on the preset's node (B300, tensor parallel 8)."""
+    config, _, rows = plan_with_stand_in("kimi-k3.1-pro.yaml", tmp_path, ROOT / "presets/layers/kimi-k3.1-pro-sweep.yaml")
+    points = [b for b, spec in config["builds"].items() if "sweep" in spec]
+    assert len(points) == 7
+    assert len(rows) == len(config["builds"]) * len(config["plan"]["gpus"]) * len(config["plan"]["tensor_parallel_sizes"])
+    weights = {row["build"]: row["weights_bytes"] for row in rows if row["gpu"] == "B300" and row["tensor_parallel_size"] == 8}
+    budgets = ["v2_2_25", "v2_2_5", "v2_2_75", "v2_3", "v2_3_25"]
+    assert [weights[b] for b in budgets] == sorted(weights[b] for b in budgets)
+    assert weights["router_sum_0_5"] < weights["router_sum_0_75"] < weights["original"]
 
 
 def test_planner_names_a_missing_checkpoint(tmp_path):

@@ -78,9 +78,9 @@ class Study:
         return [f"serve_prediction:build={build}", f"serve_memory:build={build}",
                 *[key for e in (evals if evals is not None else self.evals) for key in self.eval(build, e)]]
 
-    def made(self, build: str) -> list[str]:
+    def made(self, build: str, evals: list[str] | None = None) -> list[str]:
         return [f"build_plan:build={build}", *[f"build_shard:build={build}"] * self.shards,
-                f"build_gather:build={build}", *self.served(build)]
+                f"build_gather:build={build}", *self.served(build, evals)]
 
     def pairs_with(self, build: str) -> list[str]:
         return [f"compare_pair:a={a}:b={b}" for a, b in self.config["compare"]["pairs"] if build in (a, b)]
@@ -149,6 +149,17 @@ ROWS = [
     ("evals.facts.max_tokens", lambda c: _set(c, "evals.facts.max_tokens", 120),
      lambda s: [*[key for b in s.builds for key in s.eval(b, "facts")], *s.compares(), "report"]),
     ("serve.idle_grace_s", lambda c: _set(c, "serve.idle_grace_s", 60), lambda s: []),
+    # a sweep's grid point is an ordinary build: adding one makes, serves and evaluates it (the sweep's evals)
+    # and re-renders the report; removing a build reruns only the summary and the report
+    ("sweeps: a grid point added",
+     lambda c: _set(c, "sweeps", {"bits": {"base": "twx2_5", "grid": {"quantize.max_bits_per_weight": [2.5]}}}),
+     lambda s: [*s.made("bits_2_5", []), "eval:build=bits_2_5:eval=mmlu", "eval_agreement:build=bits_2_5:eval=agreement",
+                "compare:build=bits_2_5", "compare_summary", "report"]),
+    ("builds.twx2_5 removed", lambda c: (c["builds"].pop("twx2_5"), _set(c, "compare.pairs", [])),
+     lambda s: ["compare_summary", "report"]),
+    ("compare.size_limits_gib", lambda c: _set(c, "compare.size_limits_gib", [0.003]),
+     lambda s: ["compare_summary", "report"]),
+
     ("serve.servers_per_machine", lambda c: _set(c, "serve.servers_per_machine", 2), lambda s: []),
 ]
 

@@ -529,7 +529,26 @@ def test_report_opens_in_a_browser_without_errors_with_a_row_per_build(workdir):
         assert "No build passes the pass mark" in page.text
     for build in summary["failing"]:
         assert f"{config['builds'][build]['label']} fails the pass mark" in page.text
+    if summary["smallest"]:
+        assert f"passes every paired eval it ran: {config['builds'][summary['smallest']]['label']}" in page.text
     assert screenshot.stat().st_size > 50_000
+    check_frontier(page, config, summary)
+
+
+def check_frontier(page, config: dict, summary: dict) -> None:
+    """More than the reference and two builds: the frontier section draws one mark per build in each chart
+    and names, and joins, the Pareto set the compare stage found."""
+    if len(config["builds"]) <= 3:
+        assert page.frontier == []
+        return
+    assert "The size-fidelity frontier" in page.text
+    charts = {chart["id"].removeprefix("frontier-"): chart for chart in page.frontier}
+    assert set(charts) == {"size_agreement", "size_kl", "size_mmlu", "kv_agreement"}
+    for name, chart in charts.items():
+        assert chart["marks"] == list(config["builds"]), name
+        pareto = summary["frontier"][name]
+        assert chart["names"] == [config["builds"][b]["label"] for b in pareto], name
+        assert chart["joined"] == (len(pareto) > 1), name
 
 
 def test_report_escapes_labels_and_names_a_missing_build(workdir, tmp_path):
