@@ -54,3 +54,22 @@ def test_the_agreement_table_says_where_the_kl_estimate_misses_its_exact_check()
     assert Page._exact_check(check(0.16)) == ("16.0% on 1,139 positions, over the 5% tolerance: this build's mean KL "
                                               "is well under its exact KL (raise evals.agreement.top_k)")
     assert Page._exact_check({}) == Page._exact_check({"exact_check": {"relative_difference": None}}) == "-"
+
+
+def test_a_frontier_chart_draws_every_build_and_names_only_its_pareto_set():
+    from moeshrink.report import charts
+
+    points = [{"build": "original", "label": "Original", "x": 3.5, "y": 100.0, "low": None, "high": None,
+               "kind": "reference", "group": "Original"},
+              {"build": "twx3", "label": "<TWX3>", "x": 2.9, "y": 99.0, "low": 98.5, "high": 99.4,
+               "kind": "quantize", "group": "twx3"},
+              {"build": "cut", "label": "Cut", "x": 2.0, "y": 98.0, "low": 97.0, "high": 98.9,
+               "kind": "prune", "group": "router_sum"},
+              {"build": "worse", "label": "Worse", "x": 3.0, "y": 90.0, "low": 89.0, "high": 91.0,
+               "kind": "prune+quantize", "group": "reap + twx3"}]
+    svg = str(charts.frontier(points, ["original", "twx3", "cut"], "weights (MB)", "agreement (%)", "t", "{:.1f}",
+                              (0.0, 100.0), mark_line=(95.0, "a line")))
+    assert [svg.count(f'data-build="{b}"') for b in ("original", "twx3", "cut", "worse")] == [1, 1, 1, 1]
+    assert svg.count('class="pareto-name"') == 3 and ">Worse</text>" not in svg and "<title>Worse</title>" in svg
+    assert "&lt;TWX3&gt;" in svg and "<TWX3>" not in svg
+    assert svg.count('class="pareto"') == 1 and "<polygon" in svg and "<rect" in svg and "a line" in svg
