@@ -71,5 +71,6 @@ def test_a_frontier_chart_draws_every_build_and_names_only_its_pareto_set():
                               (0.0, 100.0), mark_line=(95.0, "a line")))
     assert [svg.count(f'data-build="{b}"') for b in ("original", "twx3", "cut", "worse")] == [1, 1, 1, 1]
     assert svg.count('class="pareto-name"') == 3 and ">Worse</text>" not in svg and "<title>Worse</title>" in svg
+    assert svg.count('class="pareto-number"') == 3
     assert "&lt;TWX3&gt;" in svg and "<TWX3>" not in svg
     assert svg.count('class="pareto"') == 1 and "<polygon" in svg and "<rect" in svg and "a line" in svg

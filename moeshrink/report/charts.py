@@ -155,22 +155,42 @@ def _mark(shape: str, x: float, y: float, colour: str, size: float = 5.5) -> str
     return f'<polygon points="{points}" fill="{colour}"/>'
 
 
+def _name_rows(names: list[str], width: float) -> list[list[tuple[int, str]]]:
+    """The numbered names laid out in rows that fit `width` px (about 6.3 px a character at FONT's size)."""
+    rows: list[list[tuple[int, str]]] = [[]]
+    used = 0.0
+    for number, name in enumerate(names, 1):
+        needed = 6.3 * (len(name) + len(str(number)) + 1) + 18
+        if rows[-1] and used + needed > width:
+            rows.append([])
+            used = 0.0
+        rows[-1].append((number, name))
+        used += needed
+    return rows
+
+
 def frontier(points: list[dict], pareto: list[str], x_title: str, y_title: str, title: str,
              y_fmt: str = "{:.3g}", y_bounds: tuple[float, float] = (float("-inf"), float("inf")),
              mark_line: tuple[float, str] | None = None) -> Markup:
     """One mark per build at (x, y), whiskers from low to high where given; its shape says how it was made
     (SHAPES: reference, quantize, prune, both), its colour the format or method (`group`); the `pareto` builds
-    joined by a line in x order and named. points: build, label, x, y, low, high, kind, group. mark_line:
-    (y, text), a dashed line such as the pass mark."""
-    width, height, left, right, top, bottom = 720, 380, 70, 20, 46, 45
+    joined by a line in x order, numbered beside their marks and named below the plot in `pareto`'s order.
+    points: build, label, x, y, low, high, kind, group. mark_line: (y, text), a dashed line such as the pass
+    mark. Every mark carries its build's name as a tooltip."""
+    width, left, right, top, plot_height = 720, 70, 20, 46, 290
+    by_build = {p["build"]: p for p in points}
+    named = [b for b in pareto if b in by_build]
+    name_rows = _name_rows([by_build[b]["label"] for b in named], width - left - right)
+    height = top + plot_height + 40 + 16 * len(name_rows)
+    bottom_px = top + plot_height
     groups = list(dict.fromkeys(p["group"] for p in points))
     colour_of = {group: COLOURS[i % len(COLOURS)] for i, group in enumerate(groups)}
     xs = [p["x"] for p in points]
     ys = [v for p in points for v in (p["y"], p.get("low"), p.get("high")) if v is not None]
     x_axis = Axis(*_padded(xs), left, width - right)
-    y_axis = Axis(*_padded(ys, include=[mark_line[0]] if mark_line else [], bounds=y_bounds), height - bottom, top)
-    body = [f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
-            f'fill="none" stroke="#ccc"/>']
+    y_axis = Axis(*_padded(ys, include=[mark_line[0]] if mark_line else [], bounds=y_bounds), bottom_px, top)
+    body = [f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{plot_height}" fill="none" '
+            f'stroke="#ccc"/>']
     legend_x = left
     for group in groups:
         kinds = {p["kind"] for p in points if p["group"] == group}
@@ -178,18 +198,18 @@ def frontier(points: list[dict], pareto: list[str], x_title: str, y_title: str, 
         body.append(_mark(shape, legend_x + 6, 14, colour_of[group], 4.5))
         body.append(_text(legend_x + 14, 18, group))
         legend_x += 24 + 7 * len(group)
-    body.append(_text(left, 36, "on the frontier: joined and named; every mark's name shows on hover",
+    body.append(_text(left, 36, "numbered and joined: the frontier; every mark's name shows on hover",
                       extra='fill="#666"'))
     for tick in _ticks(y_axis):
         body.append(_text(left - 6, y_axis(tick) + 4, y_fmt.format(tick), "end"))
     for tick in _ticks(x_axis, 4):
-        body.append(_text(x_axis(tick), height - bottom + 15, _size_tick(tick), "middle"))
+        body.append(_text(x_axis(tick), bottom_px + 15, _size_tick(tick), "middle"))
     if mark_line:
         line_y = y_axis(mark_line[0])
         body.append(f'<line x1="{left}" x2="{width - right}" y1="{line_y:.1f}" y2="{line_y:.1f}" stroke="#aa1111" '
                     f'stroke-dasharray="5,4"/>')
         body.append(_text(width - right - 4, line_y - 4, mark_line[1], "end", 'fill="#aa1111"'))
-    on_frontier = sorted((p for p in points if p["build"] in pareto), key=lambda p: p["x"])
+    on_frontier = sorted((by_build[b] for b in named), key=lambda p: p["x"])
     if len(on_frontier) > 1:
         path = " ".join(f"{x_axis(p['x']):.1f},{y_axis(p['y']):.1f}" for p in on_frontier)
         body.append(f'<polyline class="pareto" points="{path}" fill="none" stroke="#333" stroke-width="1.5"/>')
@@ -202,11 +222,19 @@ def frontier(points: list[dict], pareto: list[str], x_title: str, y_title: str, 
                         f'y2="{y_axis(point["high"]):.1f}" stroke="{colour}" stroke-width="1.5"/>')
         mark.append(_mark(SHAPES[point["kind"]], x, y, colour) + "</g>")
         body.append("".join(mark))
-        if point["build"] in pareto:
-            near_right = x > left + 0.75 * (width - left - right)
-            body.append(_text(x - 8 if near_right else x + 8, y - 7, point["label"], "end" if near_right else "start",
-                              f'class="pareto-name" fill="{colour}"'))
-    body.append(_text((left + width - right) / 2, height - 8, x_title, "middle"))
-    body.append(_text(14, (top + height - bottom) / 2, y_title, "middle",
-                      f'transform="rotate(-90 14 {(top + height - bottom) / 2:.1f})"'))
+    for number, build in enumerate(named, 1):
+        point = by_build[build]
+        body.append(_text(x_axis(point["x"]) + 7, y_axis(point["y"]) - 7, str(number),
+                          extra=f'class="pareto-number" font-weight="bold" fill="{colour_of[point["group"]]}"'))
+    body.append(_text((left + width - right) / 2, bottom_px + 32, x_title, "middle"))
+    for row_index, row in enumerate(name_rows):
+        x = left
+        for number, name in row:
+            colour = colour_of[by_build[named[number - 1]]["group"]]
+            body.append(_text(x, bottom_px + 52 + 16 * row_index, f"{number}", extra=f'font-weight="bold" fill="{colour}"'))
+            body.append(_text(x + 6.3 * len(str(number)) + 4, bottom_px + 52 + 16 * row_index, name,
+                              extra=f'class="pareto-name" fill="{colour}"'))
+            x += 6.3 * (len(name) + len(str(number)) + 1) + 18
+    body.append(_text(14, (top + bottom_px) / 2, y_title, "middle",
+                      f'transform="rotate(-90 14 {(top + bottom_px) / 2:.1f})"'))
     return _svg(width, height, title, body)

@@ -334,7 +334,7 @@ class Page:
                     if paired else "-",
                 "MMLU verdict": verdict,
                 "Weights per card (GiB), measured": f"{figures[build_id]['weights_gib']:.4g}",
-                f"predicted ({prediction['card']}, TP {prediction['tensor_parallel_size']})":
+                f"predicted for a GPU ({prediction['card']}, TP {prediction['tensor_parallel_size']})":
                     f"{prediction['weights_gib']:.4g}",
                 "KV-cache tokens per card, measured": f"{figures[build_id]['kv_cache_tokens']:,}",
                 "predicted": f"{prediction['kv_cache_tokens']:,}",
