@@ -234,7 +234,8 @@ def test_planner_predicts_every_point_of_the_kimi_sweep(tmp_path):
     points = [b for b, spec in config["builds"].items() if "sweep" in spec]
     assert len(points) == 7
     assert len(rows) == len(config["builds"]) * len(config["plan"]["gpus"]) * len(config["plan"]["tensor_parallel_sizes"])
-    weights = {row["build"]: row["weights_bytes"] for row in rows if row["gpu"] == "B300" and row["tensor_parallel_size"] == 8}
+    weights = {row["build"]: row["weights_bytes"] for row in rows
+               if row["gpu"] == "B300" and row["tensor_parallel_size"] == 8}
     budgets = ["v2_2_25", "v2_2_5", "v2_2_75", "v2_3", "v2_3_25"]
     assert [weights[b] for b in budgets] == sorted(weights[b] for b in budgets)
     assert weights["router_sum_0_5"] < weights["router_sum_0_75"] < weights["original"]
