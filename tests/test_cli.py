@@ -16,9 +16,10 @@ def moeshrink(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def test_validate_config_accepts_the_default_and_presets():
-    result = moeshrink("validate-config", "config.yaml", *map(str, sorted((ROOT / "presets").glob("*.yaml"))))
+    presets = sorted((ROOT / "presets").glob("*.yaml"))
+    result = moeshrink("validate-config", "config.yaml", *map(str, presets))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count(": valid") == 3
+    assert result.stdout.count(": valid") == 1 + len(presets)
 
 
 def test_validate_config_names_the_bad_key(tmp_path):

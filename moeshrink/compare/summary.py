@@ -13,6 +13,7 @@ both size and fidelity, and on both KV-cache room and fidelity. Ties go to the b
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from moeshrink.core import eval_kinds
@@ -110,7 +111,7 @@ def frontier(builds: dict[str, dict], reference: str, reference_figures: dict) -
     return sets
 
 
-def choose(builds: dict[str, dict], size_limits_gib: list[float] = ()) -> dict:
+def choose(builds: dict[str, dict], size_limits_gib: Sequence[float] = ()) -> dict:
     """The choice among `builds` (config order) by RULES."""
     qualifying = [b for b, figures in builds.items() if figures["passes"]]
 
@@ -133,7 +134,7 @@ def choose(builds: dict[str, dict], size_limits_gib: list[float] = ()) -> dict:
 
 
 def run(compare_files: dict[str, Path], memory_files: dict[str, Path], reference: str, out_file: Path,
-        size_limits_gib: list[float] = ()) -> dict:
+        size_limits_gib: Sequence[float] = ()) -> dict:
     """`compare_files` by build, every build but the reference, in config order; `memory_files` by build, the
     reference's too."""
     prov = Provenance("compare_summary", {"reference": reference, "builds": list(compare_files),

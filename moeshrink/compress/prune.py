@@ -13,35 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moeshrink.core.errors import MoeshrinkError
-from moeshrink.core.prune_methods import REGISTRY, PruneMethod
+from moeshrink.core.prune_methods import REGISTRY, PruneConfigError, PruneMethod, kept_count  # noqa: F401
 
 if TYPE_CHECKING:  # the planner counts kept experts from headers alone, without torch
     import torch
 
 REGISTRY.register(PruneMethod("router_sum", "moeshrink.compress.prune:router_sum_layers"))
 REGISTRY.register(PruneMethod("reap", "moeshrink.compress.reap:reap_layers", calibrated=True))
-
-
-class PruneConfigError(MoeshrinkError, ValueError):
-    pass
-
-
-def valid_keep_counts(num_experts: int, top_k: int, n_group: int) -> list[int]:
-    return [k for k in range(1, num_experts + 1) if k >= top_k and k % n_group == 0]
-
-
-def kept_count(num_experts: int, keep_fraction: float, top_k: int, n_group: int, where: str = "keep_fraction") -> int:
-    if not 0 < keep_fraction <= 1:
-        raise PruneConfigError(f"{where}: {keep_fraction} is outside (0, 1]")
-    keep = round(num_experts * keep_fraction)
-    if keep >= top_k and keep % n_group == 0 and keep >= 1:
-        return keep
-    options = valid_keep_counts(num_experts, top_k, n_group)
-    shown = ", ".join(f"{k} ({k / num_experts:g})" for k in options[:12]) + (" ..." if len(options) > 12 else "")
-    raise PruneConfigError(
-        f"{where}: {keep_fraction} keeps {keep} of {num_experts} experts, but a layer needs at least top-k = {top_k} "
-        f"experts and a multiple of n_group = {n_group}; counts that work (fraction): {shown}")
 
 
 def router_sum_scores(router_weight: torch.Tensor) -> torch.Tensor:

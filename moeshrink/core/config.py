@@ -195,12 +195,10 @@ def prune_problems(where: str, prune_spec: dict | None, source: str, model: dict
         return unknown
     problems = []
     if model and all(key in model for key in ("n_routed_experts", "num_experts_per_tok", "n_group")):
-        from moeshrink.compress.prune import PruneConfigError, kept_count
-
         try:
-            kept_count(model["n_routed_experts"], prune_spec["keep_fraction"], model["num_experts_per_tok"],
-                       model["n_group"], where=f"{where}.prune.keep_fraction")
-        except PruneConfigError as error:
+            prune_methods.kept_count(model["n_routed_experts"], prune_spec["keep_fraction"],
+                                     model["num_experts_per_tok"], model["n_group"], where=f"{where}.prune.keep_fraction")
+        except prune_methods.PruneConfigError as error:
             problems.append(str(error))
     calibration = prune_spec.get("calibration")
     if not method.calibrated:

@@ -84,7 +84,7 @@ def points(config: dict, sweep_id: str, sweep: dict) -> tuple[dict[str, dict], l
     for key in grid:
         if key.split(".")[0] in RESERVED_GRID_KEYS:
             problems.append(f"sweeps.{sweep_id}.grid.{key}: not a key a build is made by")
-    if problems:
+    if problems or spec is None:
         return {}, problems
     keys = list(grid)
     made: dict[str, dict] = {}
