@@ -551,6 +551,29 @@ def check_frontier(page, config: dict, summary: dict) -> None:
         assert chart["joined"] == (len(pareto) > 1), name
 
 
+@pytest.mark.skipif(not os.environ.get("MOESHRINK_SWEEP_WORKDIR"),
+                    reason="no finished organism sweep (MOESHRINK_SWEEP_WORKDIR: a clone where the README's sweep "
+                           "command ran; 30 minutes on 2 cores, so not in CI)")
+def test_a_finished_sweeps_report_shows_its_frontier_in_a_browser():
+    """presets/organism-sweep.yaml's report: every build and grid point a mark of each frontier chart, the
+    compare stage's Pareto sets named, the smallest passing build said."""
+    from headless import check_page
+
+    from moeshrink.core.config import load
+
+    _browser_or_skip()
+    work = Path(os.environ["MOESHRINK_SWEEP_WORKDIR"])
+    config = load(work / "presets/organism-sweep.yaml", base=work / "config.yaml")
+    screenshot = ROOT / "tests/artifacts/r013-sweep.png"
+    page = check_page(work / f"report/{config['run']}/r013.html", screenshot)
+    assert page.errors == [] and page.scripts == 0
+    summary = json.loads((work / f"results/{config['run']}/compare/summary.json").read_text())
+    assert sum("sweep" in spec for spec in config["builds"].values()) >= 8
+    check_frontier(page, config, summary)
+    assert summary["smallest"] and \
+        f"passes every paired eval it ran: {config['builds'][summary['smallest']]['label']}" in page.text
+
+
 def test_report_escapes_labels_and_names_a_missing_build(workdir, tmp_path):
     """Text from config reaches the page as text: a label holding markup renders literally. A build
     config declares without its files is an error naming them."""
