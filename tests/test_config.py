@@ -355,6 +355,8 @@ def test_a_sweep_adds_one_ordinary_build_per_grid_point_after_the_named_builds(d
     ({"base": "twx3", "grid": {"bits": [3]}},
      "sweeps.s.grid: key 'bits' is not a build key as a dotted path (e.g. quantize.max_bits_per_weight, "
      "prune.keep_fraction)"),
+    ({"base": "twx3", "grid": {"quantize.format.name": ["twx3"]}},
+     "sweeps.s.grid.quantize.format.name: the base build's quantize.format is not a mapping"),
     ({"base": "twx3", "grid": {"quantize.format": ["twx3"]}, "evals": ["mmlu", "hellaswag"]},
      "sweeps.s.evals: 'hellaswag' not configured under evals (configured: mmlu, gsm8k, facts, toolcalls, agreement)"),
 ])
@@ -371,6 +373,13 @@ def test_a_grid_point_named_like_a_build_is_refused(default_config):
         "a": {"base": "twx3", "grid": {"quantize.format": ["x_y"]}},
         "a_x": {"base": "twx3", "grid": {"quantize.format": ["y"]}}})
     assert "sweeps.a_x.grid: the point 'a_x_y' collides with sweeps.a; rename the sweep" in problems_of(config)
+
+
+def test_a_build_says_it_belongs_to_a_sweep_only_by_the_expansion(default_config):
+    config = copy.deepcopy(default_config)
+    config["builds"]["twx3"]["sweep"] = "mine"
+    assert "builds.twx3.sweep: set by the expansion of sweeps, not by hand ('mine' is not a sweep)" in \
+        problems_of(config)
 
 
 def test_the_reference_runs_every_eval(default_config):

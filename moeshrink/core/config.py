@@ -110,6 +110,9 @@ def semantic_problems(config: dict) -> list[str]:
             problems.append(f"builds.{build_id}.evals: {', '.join(map(repr, unknown))} not configured under evals")
         if sweeps.SWEEP_KEY not in build:  # a sweep's points were checked as its points
             problems += build_problems(config, f"builds.{build_id}", build)
+        elif build[sweeps.SWEEP_KEY] not in (config.get("sweeps") or {}):
+            problems.append(f"builds.{build_id}.sweep: set by the expansion of sweeps, not by hand "
+                            f"({build[sweeps.SWEEP_KEY]!r} is not a sweep)")
     gsm8k = config["evals"].get("gsm8k")
     if gsm8k:
         for build_id in gsm8k["builds"] or []:

@@ -34,6 +34,16 @@ def point_label(sweep_label: str, keys: list[str], values: tuple) -> str:
     return f"{sweep_label} ({', '.join(parts)})"
 
 
+def _settable(spec: dict, dotted: str) -> bool:
+    """Whether every part of `dotted` but the last is a mapping of `spec` or absent."""
+    node: Any = spec
+    for key in dotted.split(".")[:-1]:
+        node = node.get(key, {}) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return False
+    return True
+
+
 def _set(spec: dict, dotted: str, value: Any) -> None:
     *path, last = dotted.split(".")
     for key in path:
@@ -84,6 +94,8 @@ def points(config: dict, sweep_id: str, sweep: dict) -> tuple[dict[str, dict], l
     for key in grid:
         if key.split(".")[0] in RESERVED_GRID_KEYS:
             problems.append(f"sweeps.{sweep_id}.grid.{key}: not a key a build is made by")
+        elif spec is not None and not _settable(spec, key):
+            problems.append(f"sweeps.{sweep_id}.grid.{key}: the base build's {key.rsplit('.', 1)[0]} is not a mapping")
     if problems or spec is None:
         return {}, problems
     keys = list(grid)
