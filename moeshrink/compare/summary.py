@@ -68,12 +68,17 @@ def reference_summary(memory: dict) -> dict:
             "kv_cache_tokens": memory["kv_cache_tokens"], "weights_gib": memory["weights_gib"]}
 
 
+def agreement_figure(figures: dict) -> float | None:
+    """Next-word agreement where the reference decides; over all positions where none decided (None: agreement
+    did not run)."""
+    decided = figures.get("decided_top1_agreement")
+    return decided if decided is not None else figures.get("top1_agreement")
+
+
 def fidelity_key(figures: dict) -> tuple[float, float]:
     """Larger is more faithful: agreement where the reference decides (all positions where none did), then
     less drift; without agreement, the smaller drop on the first paired eval."""
-    agreement = figures["decided_top1_agreement"]
-    if agreement is None:  # no position decided, or agreement did not run
-        agreement = figures["top1_agreement"]
+    agreement = agreement_figure(figures)
     if agreement is not None:
         return (agreement, -figures["mean_kl"])
     return (-figures["drop_points"] if figures.get("drop_points") is not None else float("-inf"), 0.0)
@@ -86,12 +91,6 @@ def pareto(points: dict[str, tuple]) -> list[str]:
         return all(x >= y for x, y in zip(a, b)) and a != b
 
     return [i for i, point in points.items() if not any(beats(other, point) for other in points.values())]
-
-
-def agreement_figure(figures: dict) -> float | None:
-    """Next-word agreement where the reference decides, all positions where none decided."""
-    decided = figures.get("decided_top1_agreement")
-    return decided if decided is not None else figures.get("top1_agreement")
 
 
 FRONTIERS = {  # name -> (size or room: larger is better, fidelity: larger is better), from a build's figures

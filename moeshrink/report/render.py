@@ -166,15 +166,19 @@ class Page:
         rows = []
         for row in self.agreement_rows():
             metrics = row["metrics"]
-            kl = metrics["mean_kl"]
             rows.append({"Build": row["label"] + (" (read twice)" if row["reference_read_twice"] else ""),
                          "Positions": f"{metrics['positions']:,}",
                          "Next-word agreement [95% CI]": rate_text({**metrics["top1_agreement"]}),
                          "where the original decides [95% CI]": self._decided_text(metrics),
-                         "Drift, mean KL (nats) [95% CI]": f"{kl['value']:.4f} [{kl['ci95'][0]:.4f}, {kl['ci95'][1]:.4f}]",
+                         "Drift, mean KL (nats) [95% CI]": self._kl_text(metrics),
                          "KL p99": f"{metrics['kl_percentiles']['p99']:.3g}",
                          "Exact-KL check (relative difference)": self._exact_check(metrics)})
         return html_table(pd.DataFrame(rows)) if rows else None
+
+    @staticmethod
+    def _kl_text(metrics: dict) -> str:
+        kl = metrics["mean_kl"]
+        return f"{kl['value']:.4f} [{kl['ci95'][0]:.4f}, {kl['ci95'][1]:.4f}]"
 
     @staticmethod
     def _decided_text(metrics: dict) -> str:
@@ -327,9 +331,8 @@ class Page:
                 "Bits per routed weight": f"{manifest['routed_expert_bits_per_weight']:.3f}",
                 "Agreement where the original decides [95% CI]":
                     "reference" if build_id == self.reference else self._decided_text(metrics) if metrics else "-",
-                "Mean KL (nats) [95% CI]": "reference" if build_id == self.reference else
-                    (f"{metrics['mean_kl']['value']:.4f} [{metrics['mean_kl']['ci95'][0]:.4f}, "
-                     f"{metrics['mean_kl']['ci95'][1]:.4f}]" if metrics else "-"),
+                "Mean KL (nats) [95% CI]":
+                    "reference" if build_id == self.reference else self._kl_text(metrics) if metrics else "-",
                 "MMLU drop (points), at worst": f"{paired['drop_points']:+.1f}, {paired['at_worst_points']:+.1f}"
                     if paired else "-",
                 "MMLU verdict": verdict,
