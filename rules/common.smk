@@ -11,6 +11,7 @@ from moeshrink.core import eval_kinds, expert_formats, prune_methods
 from moeshrink.core.layout import report_file, results_dir
 from moeshrink.organism import TRAINER_REVISION
 from moeshrink.report.report_inputs import input_files as report_input_files
+from moeshrink.compare import inputs as compare_input_files
 from moeshrink.core.rule_params import (build_params, canonical, eval_params, operational, organism_card_params,
                                    organism_train_params, report_params, serve_params)
 
@@ -189,27 +190,10 @@ def eval_inputs(wildcards):
             **after_reference(wildcards), **eval_set_inputs(wildcards.eval)}
 
 
-def compared_evals(build_a, build_b):
-    """The evals both builds ran (gsm8k may run for some builds only)."""
-    return [eval_id for eval_id in EVAL_IDS if build_a in eval_builds(eval_id) and build_b in eval_builds(eval_id)]
-
-
-def compare_side_inputs(side, build, eval_ids):
-    inputs = {}
-    for eval_id in eval_ids:
-        inputs[f"{side}_{eval_id}"] = f"results/{{run}}/evals/{build}/{eval_id}.json"
-        if eval_kinds.get(eval_id).paired:
-            inputs[f"{side}_{eval_id}_records"] = f"results/{{run}}/evals/{build}/{eval_id}.jsonl"
-    return inputs
-
-
 def compare_inputs(wildcards):
     """A build against the reference: both sides' eval JSONs, and the per-item records of the paired evals."""
-    eval_ids = compared_evals(REFERENCE_BUILD, wildcards.build)
-    return {**compare_side_inputs("a", REFERENCE_BUILD, [e for e in eval_ids if e != "agreement"]),
-            **compare_side_inputs("b", wildcards.build, eval_ids)}
+    return compare_input_files.against_reference(config, wildcards.build)
 
 
 def compare_pair_inputs(wildcards):
-    eval_ids = [e for e in compared_evals(wildcards.a, wildcards.b) if e != "agreement"]
-    return {**compare_side_inputs("a", wildcards.a, eval_ids), **compare_side_inputs("b", wildcards.b, eval_ids)}
+    return compare_input_files.pair(config, wildcards.a, wildcards.b)

@@ -5,10 +5,13 @@ inside, so its manifest agrees with the bad bytes and the fault itself must be f
 one line naming the file and the tensor, no traceback, nothing under the output's name (nor a temporary
 folder), and once the fault is removed, a rerun writes the bytes a clean run writes."""
 import json
+import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -156,6 +159,39 @@ def test_a_fault_is_named_nothing_is_left_and_a_rerun_without_it_writes_the_clea
     shutil.rmtree(out)
 
 
+@pytest.mark.parametrize("stage", list(COMMANDS))
+def test_a_full_disk_at_a_shard_write_is_named_nothing_is_left_and_a_rerun_writes_the_clean_bytes(
+        published, clean, workspace, capsys, monkeypatch, stage):
+    """Simulated at the write call, on the second shard a stage writes."""
+    import errno
+
+    from moeshrink.core import shardio
+
+    real_write, shards_begun = shardio._Sink.write, []
+
+    def full(sink, data):
+        if sink not in shards_begun:
+            shards_begun.append(sink)
+        if len(shards_begun) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(sink, data)
+
+    source = fresh_upstream(published, workspace)
+    out = workspace / "out"
+    monkeypatch.setattr(shardio._Sink, "write", full)
+    code, err = run(stage, source, out, capsys)
+    assert code == 2, err
+    assert ".safetensors: not written (No space left on device)" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in workspace.iterdir()) == ["upstream"], "an output or a temporary folder was left"
+
+    monkeypatch.undo()
+    code, err = run(stage, source, out, capsys)
+    assert code == 0, err
+    assert written(out) == clean[stage]
+    shutil.rmtree(out)
+
+
 def test_an_upstream_folder_missing_a_tensor_the_index_names_is_refused_before_it_is_placed(published, tmp_path):
     """A path (or hub) source is checked against its own index before anything is linked or hashed."""
     from moeshrink.core.checkpoint import CheckpointError
@@ -190,3 +226,245 @@ def test_the_upstream_command_leaves_an_earlier_upstream_whole_when_its_source_i
     assert f"{shard}: tensor {ATTENTION}, which the index places in this shard" in err and "Traceback" not in err
     assert written(results / "upstream") == before
     assert sorted(p.name for p in results.iterdir()) == ["upstream"]
+
+
+# ---- the stages after the servers: evals' inputs, compare, summary, report ----------------------------------
+
+def test_a_non_finite_figure_is_refused_where_it_is_written_naming_file_line_and_key(tmp_path):
+    from moeshrink.core.ioutil import NonFiniteNumber, atomic_write_json, atomic_write_jsonl
+
+    target = tmp_path / "mmlu.json"
+    with pytest.raises(NonFiniteNumber, match=r"mmlu.json: metrics.accuracy.ci95\[1\] is nan, not a finite"):
+        atomic_write_json(target, {"metrics": {"accuracy": {"value": 0.5, "ci95": [0.4, float("nan")]}}})
+    records = tmp_path / "mmlu.jsonl"
+    with pytest.raises(NonFiniteNumber, match=r"mmlu.jsonl, line 2: loglikelihoods\[0\] is -inf, not a finite"):
+        atomic_write_jsonl(records, [{"id": "q1", "loglikelihoods": [-1.0]}, {"id": "q2", "loglikelihoods": [-math.inf]}])
+    assert list(tmp_path.iterdir()) == [], "a file or a temporary name was left"
+
+
+def test_a_non_finite_figure_is_refused_where_it_is_read_naming_file_line_and_key(tmp_path):
+    from moeshrink.core.ioutil import NonFiniteNumber, read_json, read_jsonl
+
+    (tmp_path / "memory.json").write_text('{"weights_gib": NaN, "kv_cache_gib": 1.0}\n')
+    with pytest.raises(NonFiniteNumber, match=r"memory.json: weights_gib is NaN, not a finite number"):
+        read_json(tmp_path / "memory.json")
+    (tmp_path / "gsm8k.jsonl").write_text('{"id": "a", "x": [1.0]}\n\n{"id": "b", "x": [2.0, Infinity]}\n')
+    with pytest.raises(NonFiniteNumber, match=r"gsm8k.jsonl, line 3: x\[1\] is Infinity, not a finite number"):
+        read_jsonl(tmp_path / "gsm8k.jsonl")
+
+
+def fake_reference(path: Path) -> None:
+    from moeshrink.evals import agreement
+
+    top_lp = np.log(np.full((5, 3), 1 / 3))
+    top_lp[1, 2] = -np.inf  # a token the reply did not list: stored, not a fault
+    agreement.save_reference(path, ["p0", "p1"], [[1, 2, 3], [4, 5, 6, 7]], np.zeros((5, 3), dtype=np.int64), top_lp,
+                             np.zeros((0, 8)), 3)
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("cut short", "not a whole agreement reference (BadZipFile"),
+    ("NaN", "top_lp holds 1 NaN or +inf values, the first at passage p1"),
+    ("lengths that do not fit", "7 token ids and 5 positions do not fit the 3 passages' lengths"),
+])
+def test_a_damaged_agreement_reference_is_named_before_a_build_is_served(tmp_path, fault, said):
+    """Every other build's agreement eval reads the reference's stored log-probabilities before it leases its
+    server: a damaged file is named, with the passage, instead of a zip error or a NaN KL."""
+    from moeshrink.evals import EvalError, agreement
+
+    path = tmp_path / "agreement_reference.npz"
+    fake_reference(path)
+    assert agreement.load_reference(path)["passage_ids"] == ["p0", "p1"]
+    if fault == "cut short":
+        path.write_bytes(path.read_bytes()[:200])
+    else:
+        arrays = dict(np.load(path))
+        if fault == "NaN":
+            arrays["top_lp"][3, 0] = np.nan
+        else:
+            arrays["lengths"] = np.array([3, 2, 2])
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    with pytest.raises(EvalError, match=re.escape(said)):
+        agreement.load_reference(path)
+
+
+def cut_mid_line(line: int):
+    """Keep the lines before `line` and half of it: a writer killed mid-line without the atomic rename."""
+    def change(path: Path) -> None:
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(lines[:line - 1]) + lines[line - 1][: len(lines[line - 1]) // 2])
+    return change
+
+
+def cut_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def set_json(keys: tuple, value: float):
+    """Write `value` (NaN, inf) at `keys` of a JSON file, as a writer without the finite check would."""
+    def change(path: Path) -> None:
+        record = json.loads(path.read_text())
+        inner = record
+        for key in keys[:-1]:
+            inner = inner[key]
+        inner[keys[-1]] = value
+        path.write_text(json.dumps(record, indent=2))
+    return change
+
+
+def set_record(line: int, keys: tuple, value: float):
+    def change(path: Path) -> None:
+        lines = path.read_text().splitlines()
+        record = json.loads(lines[line - 1])
+        inner = record
+        for key in keys[:-1]:
+            inner = inner[key]
+        inner[keys[-1]] = value
+        lines[line - 1] = json.dumps(record)
+        path.write_text("\n".join(lines) + "\n")
+    return change
+
+
+def drop_line(line: int):
+    def change(path: Path) -> None:
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(lines[:line - 1] + lines[line:]))
+    return change
+
+
+def nan_in_reference(path: Path) -> None:
+    arrays = dict(np.load(path))
+    arrays["top_lp"][100, 0] = np.nan
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+
+
+BUILD = "twx3"
+# (stage, fault) -> (the file it is put in, under results/<run>/, how, what the error must say). The stage
+# reads its inputs as its rule's job does (the same functions, the same input lists).
+STAGE_FAULTS = {
+    ("compare", "eval record file cut mid-line"): (
+        f"evals/{BUILD}/mmlu.jsonl", cut_mid_line(4), "mmlu.jsonl, line 4: not JSON"),
+    ("compare", "NaN in an eval's figure"): (
+        f"evals/{BUILD}/facts.json", set_json(("metrics", "made_up", "value"), math.nan),
+        "facts.json: metrics.made_up.value is NaN, not a finite number"),
+    ("compare", "-Infinity in an item's record"): (
+        f"evals/{BUILD}/mmlu.jsonl", set_record(2, ("loglikelihoods", 1), -math.inf),
+        "mmlu.jsonl, line 2: loglikelihoods[1] is -Infinity"),
+    ("compare", "an item missing from one side"): (
+        f"evals/{BUILD}/gsm8k.jsonl", drop_line(1),
+        f"gsm8k: original and {BUILD} did not read the same items (only original: ['arith-0']"),
+    ("compare_summary", "NaN in a measured memory figure"): (
+        f"serve/{BUILD}/memory.json", set_json(("weights_gib",), math.nan), "memory.json: weights_gib is NaN"),
+    ("compare_summary", "a comparison cut short"): (f"compare/{BUILD}.json", cut_half, f"{BUILD}.json: not JSON"),
+    ("report", "Infinity in the summary"): (
+        "compare/summary.json", set_json(("builds", BUILD, "mean_kl"), math.inf),
+        f"summary.json: builds.{BUILD}.mean_kl is Infinity"),
+    ("report", "an eval result cut short"): ("evals/original/toolcalls.json", cut_half, "toolcalls.json: not JSON"),
+    ("eval agreement", "the reference's log-probabilities cut short"): (
+        "evals/original/agreement_reference.npz", cut_half, "not a whole agreement reference"),
+    ("eval agreement", "NaN in the reference's log-probabilities"): (
+        "evals/original/agreement_reference.npz", nan_in_reference,
+        "top_lp holds 1 NaN or +inf values, the first at passage"),
+    ("eval facts", "eval set cut mid-line"): (
+        "organism/data/passages_test.jsonl", cut_mid_line(3), "passages_test.jsonl, line 3: not JSON"),
+    ("eval toolcalls", "tools file cut short"): ("organism/data/tools.json", cut_half, "tools.json: not JSON"),
+}
+
+
+def run_stage(stage: str, work: Path, config: dict, out: Path) -> Path | None:
+    """Run `stage` on the finished workflow in `work` as its job does, writing under `out`; its output file."""
+    from moeshrink.compare import inputs as compare_inputs
+    from moeshrink.compare import paired, summary
+    from moeshrink.core.layout import results_dir
+    from moeshrink.core.rule_params import report_params
+    from moeshrink.evals import agreement, sets
+    from moeshrink.organism import datasets
+    from moeshrink.report import render
+    from moeshrink.report.report_inputs import input_files
+
+    results = work / results_dir(config)
+    reference, others = config["reference_build"], [b for b in config["builds"] if b != config["reference_build"]]
+    if stage == "compare":
+        inputs = {key: work / path for key, path in compare_inputs.against_reference(config, BUILD).items()}
+        judging = {key: config["compare"][key] for key in ("pass_mark_points", "pass_on")}
+        paired.run(inputs, reference, BUILD, judging, out / "compare.json", against_reference=True)
+        return out / "compare.json"
+    if stage == "compare_summary":
+        summary.run({b: results / f"compare/{b}.json" for b in others},
+                    {b: results / f"serve/{b}/memory.json" for b in config["builds"]}, reference,
+                    out / "summary.json", config["compare"]["size_limits_gib"])
+        return out / "summary.json"
+    if stage == "report":
+        render.render({key: work / path for key, path in input_files(config).items()}, report_params(config),
+                      out / "r013.html", benchmark_dir=work / "benchmarks" / config["run"])
+        return out / "r013.html"
+    if stage == "eval agreement":  # what an agreement job reads before it leases its build's server
+        agreement.load_reference(results / "evals/original/agreement_reference.npz")
+    elif stage == "eval facts":
+        sets.read_set(results / "organism/data" / datasets.PASSAGES_TEST, "facts")
+    elif stage == "eval toolcalls":
+        sets.read_tools(results / "organism/data" / datasets.TOOLS_FILE)
+    return None
+
+
+def without_provenance(path: Path) -> object:
+    if path.suffix == ".json":
+        return {k: v for k, v in json.loads(path.read_text()).items() if k != "provenance"}
+    return re.sub(r"\d{4}-\d\d-\d\dT[\d:.+-]+", "<when>", path.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, fault", list(STAGE_FAULTS), ids=[f"{s}: {f}" for s, f in STAGE_FAULTS])
+def test_a_fault_after_the_servers_is_named_nothing_is_left_and_a_rerun_without_it_matches(
+        workdir, tmp_path, stage, fault):
+    from moeshrink.core.config import load
+    from moeshrink.core.errors import MoeshrinkError
+    from moeshrink.core.layout import results_dir
+
+    config = load(workdir / "config.yaml")
+    work = tmp_path / "work"
+    shutil.copytree(workdir / results_dir(config), work / results_dir(config), symlinks=True,
+                    ignore=shutil.ignore_patterns("*.safetensors", "*.pt", "leases", "*.log"))
+    if (workdir / "benchmarks").exists():
+        shutil.copytree(workdir / "benchmarks", work / "benchmarks")
+    relative, damage, said = STAGE_FAULTS[(stage, fault)]
+    target = work / results_dir(config) / relative
+    pristine = target.read_bytes()
+
+    clean_out = tmp_path / "clean"
+    clean = run_stage(stage, work, config, clean_out)
+    damage(target)
+    out = tmp_path / "out"
+    with pytest.raises(MoeshrinkError) as raised:
+        run_stage(stage, work, config, out)
+    print(f"\n{stage} | {fault} | {raised.value}")
+    assert said in str(raised.value) and relative.split("/")[-1] in str(raised.value)
+    assert not out.exists() or list(out.iterdir()) == [], "an output or a temporary name was left"
+
+    target.write_bytes(pristine)
+    rerun = run_stage(stage, work, config, out)
+    if clean:
+        assert rerun and without_provenance(rerun) == without_provenance(clean)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["compare", "compare_summary", "report"])
+def test_a_full_disk_at_a_stages_write_names_its_output_and_leaves_nothing(workdir, tmp_path, monkeypatch, stage):
+    """Simulated at the write call: the job's error names its output file, and neither the file nor a
+    temporary name stays."""
+    import errno
+
+    from moeshrink.core.config import load
+    from moeshrink.core.ioutil import UnwritableFile
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    config = load(workdir / "config.yaml")
+    monkeypatch.setattr(Path, "write_text", full)
+    out = tmp_path / "out"
+    with pytest.raises(UnwritableFile, match=r"(compare|summary).json: not written|r013.html: not written"):
+        run_stage(stage, workdir, config, out)
+    assert not out.exists() or list(out.iterdir()) == []

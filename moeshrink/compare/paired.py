@@ -34,12 +34,14 @@ def read_records(path: Path) -> dict[str, dict]:
 
 
 def paired_accuracy(eval_id: str, a_id: str, a_records: dict[str, dict], b_id: str,
-                    b_records: dict[str, dict]) -> dict:
-    """Question-by-question comparison of two builds on the same items."""
+                    b_records: dict[str, dict], files: tuple[Path, Path] | None = None) -> dict:
+    """Question-by-question comparison of two builds on the same items (read from `files`, a's and b's)."""
     if a_records.keys() != b_records.keys():
         only_a, only_b = sorted(a_records.keys() - b_records.keys()), sorted(b_records.keys() - a_records.keys())
+        read_from = f" ({files[0]}: {len(a_records)} items, {files[1]}: {len(b_records)})" if files else ""
         raise CompareError(f"{eval_id}: {a_id} and {b_id} did not read the same items "
-                           f"(only {a_id}: {only_a[:5]}, only {b_id}: {only_b[:5]})")
+                           f"(only {a_id}: {only_a[:5]}, only {b_id}: {only_b[:5]}){read_from}; rerun the eval "
+                           "whose records are short")
     counts = {"both_right": 0, "only_a": 0, "only_b": 0, "neither": 0}
     for item_id, a_record in a_records.items():
         b_record = b_records[item_id]
@@ -161,13 +163,14 @@ def agreement(b_result: dict) -> dict:
 
 def compare(a_id: str, b_id: str, a_results: dict[str, dict], b_results: dict[str, dict],
             a_records: dict[str, dict[str, dict]], b_records: dict[str, dict[str, dict]],
-            judging: dict | None) -> dict:
+            judging: dict | None, record_files: dict[str, tuple[Path, Path]] | None = None) -> dict:
     """Everything both builds measured, side b against side a. `judging` (pass mark and rule) only
-    when side a is the reference."""
+    when side a is the reference; `record_files` by eval, a's and b's, to name them."""
     evals: dict[str, dict] = {}
     for eval_id, kind in eval_kinds.kinds().items():
         if kind.paired and eval_id in a_records and eval_id in b_records:
-            paired = paired_accuracy(eval_id, a_id, a_records[eval_id], b_id, b_records[eval_id])
+            paired = paired_accuracy(eval_id, a_id, a_records[eval_id], b_id, b_records[eval_id],
+                                     (record_files or {}).get(eval_id))
             if judging:
                 paired.update(judge(paired, judging["pass_mark_points"], judging["pass_on"],
                                     chance_rate(a_records[eval_id])))
@@ -196,7 +199,9 @@ def run(inputs: dict[str, Path], a_id: str, b_id: str, compare_config: dict, out
             if result["build"] != build_id:
                 raise CompareError(f"{inputs[f'{side}_{eval_id}']}: holds build {result['build']!r}, not {build_id!r}")
     judging = compare_config if against_reference else None
-    result = compare(a_id, b_id, results["a"], results["b"], records["a"], records["b"], judging)
+    record_files = {eval_id: (inputs[f"a_{eval_id}_records"], inputs[f"b_{eval_id}_records"])
+                    for eval_id in records["a"].keys() & records["b"].keys()}
+    result = compare(a_id, b_id, results["a"], results["b"], records["a"], records["b"], judging, record_files)
     result["side_a_is_reference"] = against_reference
     result["eval_files"] = {key: str(path) for key, path in inputs.items()}
     result["provenance"] = prov.record()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from moeshrink.core.ioutil import out_of_room
+
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -117,6 +119,11 @@ def save_shard(tensors: dict[str, torch.Tensor | StoredTensor], path: Path | str
             elif value.numel():
                 flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
                 sink.write(memoryview(flat.numpy()))  # type: ignore[arg-type]  # numpy's stubs lack the buffer protocol
+    except OSError as error:
+        unwritable = out_of_room(error, path)
+        if unwritable:
+            raise unwritable from error
+        raise
     finally:
         digest = sink.close()
         os.close(fd)

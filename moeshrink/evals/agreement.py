@@ -10,6 +10,7 @@ the exact whole-vocabulary KL on the first `exact_check_passages` passages.
 """
 from __future__ import annotations
 
+import zipfile
 from functools import partial
 from pathlib import Path
 
@@ -228,15 +229,37 @@ def save_reference(path: Path, passage_ids: list[str], token_ids: list[list[int]
                                 top_ids=top_ids, top_lp=top_lp, full=full, top_k=np.array(top_k))
 
 
+REFERENCE_ARRAYS = ("passage_ids", "lengths", "token_ids", "top_ids", "top_lp", "full", "top_k")
+
+
 def load_reference(path: Path) -> dict:
-    with np.load(path) as data:
-        lengths = data["lengths"].tolist()
-        flat = data["token_ids"].tolist()
-        offsets = np.cumsum([0] + lengths).tolist()
-        return {"passage_ids": data["passage_ids"].tolist(), "lengths": lengths,
-                "token_ids": [flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))],
-                "top_ids": data["top_ids"], "top_lp": data["top_lp"], "full": data["full"],
-                "top_k": int(data["top_k"])}
+    """The reference's stored passages and log-probabilities; a file that is not whole, or holds NaN or a
+    positive infinity (a token absent from a reply is stored as -inf), is named with the passage."""
+    try:
+        with np.load(path) as data:
+            arrays = {name: data[name] for name in REFERENCE_ARRAYS}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise EvalError(f"{path}: not a whole agreement reference ({type(error).__name__}: {error}); rerun the "
+                        "reference's agreement eval") from None
+    lengths = arrays["lengths"].tolist()
+    flat = arrays["token_ids"].tolist()
+    offsets = np.cumsum([0] + lengths).tolist()
+    passage_ids = arrays["passage_ids"].tolist()
+    if offsets[-1] != len(flat) or len(arrays["top_lp"]) != offsets[-1] - len(lengths):
+        raise EvalError(f"{path}: {len(flat)} token ids and {len(arrays['top_lp'])} positions do not fit the "
+                        f"{len(lengths)} passages' lengths; rerun the reference's agreement eval")
+    for name in ("top_lp", "full"):
+        bad = np.isnan(arrays[name]) | (arrays[name] == np.inf)
+        if bad.any():
+            position = int(np.argwhere(bad)[0][0])
+            passage = int(np.searchsorted(np.cumsum([n - 1 for n in lengths]), position, side="right"))
+            where = f"passage {passage_ids[passage]}" if name == "top_lp" else f"exact-check row {position}"
+            raise EvalError(f"{path}: {name} holds {int(bad.sum())} NaN or +inf values, the first at {where}; "
+                            "rerun the reference's agreement eval")
+    return {"passage_ids": passage_ids, "lengths": lengths,
+            "token_ids": [flat[offsets[i]:offsets[i + 1]] for i in range(len(lengths))],
+            "top_ids": arrays["top_ids"], "top_lp": arrays["top_lp"], "full": arrays["full"],
+            "top_k": int(arrays["top_k"])}
 
 
 def run(pool: RequestPool, model: str, reference: dict, cfg: dict, vocab: int) -> tuple[dict, list[dict]]:

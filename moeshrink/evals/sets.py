@@ -2,12 +2,11 @@
 eval naming the file, the line and what is wrong."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jsonschema
 
-from moeshrink.core.ioutil import jsonl_lines
+from moeshrink.core.ioutil import jsonl_lines, read_json
 from moeshrink.evals import EvalError
 
 _STR = {"type": "string", "minLength": 1}
@@ -49,7 +48,7 @@ def read_set(path: Path, kind: str) -> list[dict]:
 
 
 def read_tools(path: Path) -> list[dict]:
-    tools = json.loads(Path(path).read_text())
+    tools = read_json(path)
     check(tools, "tools", str(path))
     for tool in tools:
         try:
