@@ -32,6 +32,14 @@ def copy_workflow(work: Path, *extra: str) -> Path:
     return work
 
 
+def copy_finished_workflow(workdir: Path, work: Path) -> Path:
+    """A copy of a finished workflow to change or rerun, without what a test must not carry along: a clone's
+    virtual environment and git folder (`MOESHRINK_E2E_WORKDIR` may be a fresh clone; the jobs run this
+    Python) and the partial-rerun tests' changed config."""
+    shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml", ".venv", ".git"))
+    return work
+
+
 @pytest.fixture(scope="session")
 def default_config() -> dict:
     return yaml.safe_load((ROOT / "config.yaml").read_text())

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import copy_finished_workflow
 
 pytestmark = pytest.mark.slow
 BUILD = "twx3"
@@ -25,8 +26,7 @@ def sha256(path: Path) -> str:
 @pytest.fixture()
 def copy(workdir, tmp_path) -> Path:
     work = tmp_path / "workflow"
-    shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml"))
-    return work
+    return copy_finished_workflow(workdir, work)
 
 
 def start(work: Path, *args: str) -> subprocess.Popen:

@@ -4,13 +4,13 @@ import copy
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import copy_finished_workflow
 
 pytestmark = pytest.mark.slow
 
@@ -215,7 +215,7 @@ def test_a_plugin_eval_is_scheduled_and_run_from_its_registry_entry_alone(workdi
     assert job_keys(jobs) == sorted([*(f"eval:build={b}:eval=toy" for b in study.builds), *study.compares(),
                                      "report"])
     work = tmp_path / "workflow"
-    shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml"))
+    copy_finished_workflow(workdir, work)
     (work / "toy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     ran = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "toy.yaml",
                           "--replace-workflow-config", "results/organism/evals/twx3/toy.json"], cwd=work,
@@ -234,7 +234,7 @@ def test_a_changed_eval_item_count_reruns_only_that_eval_and_starts_each_server_
     compares and report that read them) run, each of the two builds' servers starts once for them and no
     other server starts, and every other eval's files keep their bytes and mtimes."""
     work = tmp_path / "workflow"
-    shutil.copytree(workdir, work, symlinks=True, ignore=shutil.ignore_patterns("changed.yaml"))
+    copy_finished_workflow(workdir, work)
     config = copy.deepcopy(_config(work))
     config["evals"]["gsm8k"]["items"] = 12  # few: which jobs run is the point here, not the figures
     study = Study(work, _config(work))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import copy_finished_workflow
 from safetensors import safe_open
 
 from moeshrink.compare.paired import VERDICTS
@@ -607,7 +608,7 @@ def test_a_reference_at_chance_makes_every_mmlu_verdict_cannot_tell(workdir, tmp
     import random
 
     work = tmp_path / "workflow"
-    shutil.copytree(workdir, work, symlinks=True)
+    copy_finished_workflow(workdir, work)
     config = yaml.safe_load((work / "config.yaml").read_text())
     reference = config["reference_build"]
     records_file = work / f"results/organism/evals/{reference}/mmlu.jsonl"
