@@ -301,27 +301,26 @@ def cut_half(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def with_value(text: str, keys: tuple, value: float, indent: int | None) -> str:
+    """`text`'s JSON with `value` (NaN, inf) at `keys`, as a writer without the finite check would write it."""
+    record = json.loads(text)
+    inner = record
+    for key in keys[:-1]:
+        inner = inner[key]
+    inner[keys[-1]] = value
+    return json.dumps(record, indent=indent)
+
+
 def set_json(keys: tuple, value: float):
-    """Write `value` (NaN, inf) at `keys` of a JSON file, as a writer without the finite check would."""
     def change(path: Path) -> None:
-        record = json.loads(path.read_text())
-        inner = record
-        for key in keys[:-1]:
-            inner = inner[key]
-        inner[keys[-1]] = value
-        path.write_text(json.dumps(record, indent=2))
+        path.write_text(with_value(path.read_text(), keys, value, indent=2))
     return change
 
 
 def set_record(line: int, keys: tuple, value: float):
     def change(path: Path) -> None:
         lines = path.read_text().splitlines()
-        record = json.loads(lines[line - 1])
-        inner = record
-        for key in keys[:-1]:
-            inner = inner[key]
-        inner[keys[-1]] = value
-        lines[line - 1] = json.dumps(record)
+        lines[line - 1] = with_value(lines[line - 1], keys, value, indent=None)
         path.write_text("\n".join(lines) + "\n")
     return change
 
