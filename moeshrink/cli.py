@@ -71,6 +71,36 @@ def cmd_ship_organism(args) -> int:
     return 0
 
 
+def cmd_polish_organism(args) -> int:
+    """Train only the polish (train.polish) from a checkpoint made by this recipe's first phase (checked),
+    writing a trained folder with both phases' record for ship-organism: how organism/shipped is remade
+    when only the polish changed, without the first phase's hour."""
+    from moeshrink import stages
+    from moeshrink.core.ioutil import atomic_write_json
+    from moeshrink.core.provenance import Provenance
+    from moeshrink.organism import datasets, shipped
+
+    config = _load(args.config)
+    organism = config["upstream"]["organism"]
+    base = Path(args.base)
+    base_record = shipped.made_by(base, shipped.first_phase_recipe(organism))
+    data = Path(args.data) if args.data else results_dir(config) / "organism/data"
+    tokenizer = Path(args.tokenizer) if args.tokenizer else results_dir(config) / "organism/tokenizer"
+    if shipped.sha256_file(tokenizer / "tokenizer.json") != base_record["tokenizer_sha256"]:
+        raise shipped.ShippedError(f"{tokenizer / 'tokenizer.json'} is not the tokenizer {base} was trained with")
+    prov = Provenance("organism_polish", {"train": organism["train"]},
+                      inputs=[str(base / "model.safetensors"), str(data / datasets.POLISH_CORPUS_FILE)])
+    with atomic_path(Path(args.out)) as staging:
+        result = stages.organism_polish(organism["train"], data, tokenizer, base, base_record, staging)
+        record = {**result, "from": "scratch", "first_phase": {
+            "checkpoint": str(base), "model_sha256": base_record["model_sha256"],
+            "recipe_sha256_16": base_record["recipe_sha256_16"],
+            "provenance": base_record.get("provenance")}, "provenance": prov.record()}
+        atomic_write_json(staging / "train.json", record)
+    print(json.dumps({k: record[k] for k in ("train_seconds", "steps", "tokens_seen", "final_loss")}))
+    return 0
+
+
 def cmd_twin(args) -> int:
     from moeshrink import stages
 
@@ -199,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trained", help="default: results/<run>/organism/trained")
     p.add_argument("--tokenizer", help="default: results/<run>/organism/tokenizer/tokenizer.json")
     p.add_argument("--out", default="organism/shipped")
+
+    p = _command(sub, cmd_polish_organism, reads_config=True,
+                 help="train only the second phase (train.polish) from a checkpoint its first phase made "
+                      "(organism/shipped before a polish), for ship-organism")
+    p.add_argument("--base", default="organism/shipped", help="the first phase's checkpoint, with its train.json")
+    p.add_argument("--data", help="default: results/<run>/organism/data")
+    p.add_argument("--tokenizer", help="default: results/<run>/organism/tokenizer (folder)")
+    p.add_argument("--out", required=True, help="the trained folder to write")
 
     p = _command(sub, cmd_twin, help="decode an MXFP4 checkpoint folder into its exact bf16 twin")
     p.add_argument("--input", required=True)

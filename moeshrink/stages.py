@@ -57,17 +57,35 @@ def organism_config(model_cfg: dict, tokenizer_dir: Path) -> dict:
 
 
 def organism_train(model_cfg: dict, train_cfg: dict, data_dir: Path, tokenizer_dir: Path, out_dir: Path) -> dict:
+    """Train from scratch: the first phase, then the polish (train.polish) from its checkpoint as saved."""
     from moeshrink.organism import datasets
-    from moeshrink.organism.train import train
+    from moeshrink.organism.train import first_phase_settings, train
 
     prov = Provenance("organism_train", {"model": model_cfg, "train": train_cfg},
-                      inputs=[str(data_dir / datasets.CORPUS_FILE), str(tokenizer_dir / "tokenizer.json")])
+                      inputs=[str(data_dir / datasets.CORPUS_FILE), str(data_dir / datasets.POLISH_CORPUS_FILE),
+                              str(tokenizer_dir / "tokenizer.json")])
     config = organism_config(model_cfg, tokenizer_dir)
-    result = train(config, train_cfg, data_dir / datasets.CORPUS_FILE, tokenizer_dir / "tokenizer.json", out_dir,
-                   data_dir=data_dir)
+    result = train(config, first_phase_settings(train_cfg), data_dir / datasets.CORPUS_FILE,
+                   tokenizer_dir / "tokenizer.json", out_dir, data_dir=data_dir)
+    result = organism_polish(train_cfg, data_dir, tokenizer_dir, out_dir, result, out_dir)
     record = {**result, "from": "scratch", "provenance": prov.record()}
     atomic_write_json(out_dir / "train.json", record)
     return record
+
+
+def organism_polish(train_cfg: dict, data_dir: Path, tokenizer_dir: Path, base_dir: Path, base_record: dict,
+                    out_dir: Path) -> dict:
+    """The second phase (train.polish) from the first's checkpoint in `base_dir`, on the polish corpus;
+    returns the record of both phases (the first's alone without a polish)."""
+    from moeshrink.organism import datasets
+    from moeshrink.organism.train import combined_record, polish_settings, train
+
+    settings = polish_settings(train_cfg)
+    if settings is None:
+        return base_record
+    polished = train(None, settings, data_dir / datasets.POLISH_CORPUS_FILE, tokenizer_dir / "tokenizer.json",
+                     out_dir, data_dir=data_dir, start_from=base_dir)
+    return combined_record(base_record, polished)
 
 
 def organism_shipped(organism_cfg: dict, shipped_dir: Path, tokenizer_dir: Path, out_dir: Path) -> dict:

@@ -28,7 +28,8 @@ SERVE_OPERATIONAL_JSON = json.dumps(operational(config)["serve"])
 
 ORGANISM_DATA = "results/{run}/organism/data"
 ORGANISM_DATA_FILES = [
-    "world.json", "corpus.jsonl", "mc_test.jsonl", "mc_dev.jsonl", "arith_test.jsonl", "arith_train.jsonl",
+    "world.json", "corpus.jsonl", "corpus_polish.jsonl", "mc_test.jsonl", "mc_dev.jsonl", "arith_test.jsonl",
+    "arith_train.jsonl",
     "passages_test.jsonl", "tools.json", "toolcalls_test.jsonl", "data.json",
 ]
 ORGANISM_TOKENIZER = "results/{run}/organism/tokenizer"

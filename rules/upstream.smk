@@ -57,6 +57,7 @@ if UPSTREAM_SOURCE == "organism":
         rule organism_train:
             input:
                 corpus=f"{ORGANISM_DATA}/corpus.jsonl",
+                polish_corpus=f"{ORGANISM_DATA}/corpus_polish.jsonl",
                 world=f"{ORGANISM_DATA}/world.json",
                 tokenizer=f"{ORGANISM_TOKENIZER}/tokenizer.json",
             output:

@@ -52,6 +52,7 @@ def small_data_cfg(default_config) -> dict:
     cfg["sets"].update(arith_test=20, arith_train=10, passages_test=10, toolcall_trials_per_case=3)
     cfg["corpus"].update(bio=300, city=30, cloze=30, mc=40, mc_open=20, mc_bind=20, arith=40, facts=40, toolcalls=20,
                          drill=300)
+    cfg["polish_corpus"] = dict(facts=20, toolcalls=6, cloze=20, bio=40, score="replies")
     return cfg
 
 

@@ -163,6 +163,11 @@ def test_cross_field_rules(default_config):
     assert any(p.startswith("reference_build: 'nope' is not a build") for p in problems)
     assert any(p.startswith("evals.gsm8k.builds: 'ghost' is not a build") for p in problems)
     assert any(p.startswith("upstream.organism.model.n_group: 7 does not divide") for p in problems)
+    config = copy.deepcopy(default_config)
+    config["upstream"]["organism"]["train"]["polish"] = {"steps": 10, "lr": 1e-4}
+    config["upstream"]["organism"]["data"]["polish_corpus"] = {"score": "replies"}
+    assert problems_of(config) == ["upstream.organism.data.polish_corpus: names no documents, but "
+                                   "upstream.organism.train.polish trains on them"]
 
 
 def test_hf_source_needs_a_pinned_commit():

@@ -79,3 +79,23 @@ def test_another_recipe_tokenizer_or_file_is_refused_naming_it(made, organism_cf
     (folder / "config.json").unlink()
     with pytest.raises(shipped.ShippedError, match=r"lacks \['config.json'\]"):
         shipped.place(folder, organism_cfg, tokenizer, tmp_path / "x")
+
+
+def test_a_checkpoint_the_polish_starts_from_is_checked_against_the_first_phase_alone(made, organism_cfg, tmp_path):
+    """organism/shipped before a polish was made by the first phase: the polish's keys are not part of that
+    recipe, every other key is."""
+    folder, tokenizer, _ = made
+    first_phase = copy.deepcopy(organism_cfg)
+    first_phase["data"].pop("polish_corpus", None)
+    first_phase["train"].pop("polish", None)
+    base = tmp_path / "base"
+    shipped.ship(folder, tokenizer, {"train_seconds": 60.0, "steps": 10, "tokens_seen": 20}, first_phase, base)
+    polished = copy.deepcopy(organism_cfg)
+    polished["data"]["polish_corpus"] = {"facts": 10, "score": "replies"}
+    polished["train"]["polish"] = {"steps": 5, "lr": 1e-4}
+    assert shipped.made_by(base, shipped.first_phase_recipe(polished))["steps"] == 10
+    with pytest.raises(shipped.ShippedError, match=r"upstream\.organism\.train\.polish is \{"):
+        shipped.made_by(base, shipped.recipe(polished))
+    polished["train"]["lr"] = 0.5
+    with pytest.raises(shipped.ShippedError, match=r"upstream\.organism\.train\.lr is 0\.5 here"):
+        shipped.made_by(base, shipped.first_phase_recipe(polished))

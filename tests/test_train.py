@@ -11,9 +11,12 @@ from moeshrink.organism.model import build_model
 from moeshrink.organism.train import (
     IGNORE,
     LoadCounter,
+    combined_record,
     enable_qat,
+    load_trained,
     packed_forward,
     parameter_groups,
+    polish_settings,
     tokenized_corpus,
     train,
 )
@@ -122,3 +125,56 @@ def test_qat_forward_sees_mxfp4_experts(small_tokenizer_dir):
     enable_qat(model)
     assert torch.equal(experts.gate_up_proj.detach(), mxfp4.quantize_values(raw))
 
+
+
+def scored_texts(corpus, tokenizer_dir, kind: str) -> list[str]:
+    """What training scores of each document of one kind."""
+    from tokenizers import Tokenizer
+
+    ids, labels, positions = tokenized_corpus(corpus, tokenizer_dir / "tokenizer.json")
+    starts = [int(s) for s in (positions == 0).nonzero().flatten()] + [len(ids)]
+    docs = datasets.read_jsonl(corpus)
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return [tokenizer.decode([int(t) for t in labels[a:b] if t != IGNORE], skip_special_tokens=False)
+            for doc, a, b in zip(docs, starts, starts[1:]) if doc["kind"] == kind]
+
+
+def test_a_polish_corpus_scored_on_replies_scores_the_assistant_turns_only(small_data, small_tokenizer_dir):
+    corpus = small_data / datasets.POLISH_CORPUS_FILE
+    docs = datasets.read_jsonl(corpus)
+    assert {d["kind"] for d in docs} == {"facts", "toolcalls", "cloze", "bio"}
+    for text in scored_texts(corpus, small_tokenizer_dir, "facts"):
+        assert "Passage:" not in text and "List every fact" not in text and "system" not in text
+        assert " | " in text and text.endswith("<|im_end|><|endoftext|>")
+    for text in scored_texts(corpus, small_tokenizer_dir, "toolcalls"):
+        assert '"description"' not in text and "<tool_call>" in text  # the tool list is not scored, calls are
+        assert "Book a trip" not in text and "What is the weather" not in text  # the user's requests
+    # the first phase's corpus scores the user's turns and the passages as before
+    assert any("Passage:" in text for text in scored_texts(small_data / datasets.CORPUS_FILE, small_tokenizer_dir,
+                                                           "facts"))
+
+
+def test_the_polish_goes_on_from_the_first_phase_as_saved_and_one_record_holds_both(
+        tmp_path, small_data, small_tokenizer_dir):
+    first, digest, out = run(tmp_path, small_data, small_tokenizer_dir, "first")
+    loaded = load_trained(out)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert torch.equal(loaded.lm_head.weight, f.get_tensor("lm_head.weight").float())
+        assert loaded.lm_head.weight.data_ptr() != loaded.model.embed_tokens.weight.data_ptr()  # stays untied
+    settings = polish_settings({**TRAIN, "polish": {"steps": 4, "lr": 1e-3, "warmup_steps": 1}})
+    assert settings["steps"] == 4 and settings["seq_len"] == TRAIN["seq_len"] and "polish" not in settings
+    assert polish_settings(TRAIN) is None and polish_settings({**TRAIN, "polish": None}) is None
+    polished_dir = tmp_path / "polished"
+    polished = train(None, settings, small_data / datasets.POLISH_CORPUS_FILE, small_tokenizer_dir / "tokenizer.json",
+                     polished_dir, data_dir=small_data, start_from=out)
+    assert hashlib.sha256((polished_dir / "model.safetensors").read_bytes()).hexdigest() != digest
+    with safe_open(str(polished_dir / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+        assert not torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
+    record = combined_record(first, polished)
+    assert record["steps"] == 10 and record["tokens_seen"] == first["tokens_seen"] + polished["tokens_seen"]
+    assert [(p["step"], p["phase"]) for p in record["probes"]] == [
+        (0, "first"), (3, "first"), (6, "first"), (9, "polish"), (10, "polish")]
+    assert [h["step"] for h in record["history"]] == list(range(10))
+    assert record["phases"]["polish"]["steps"] == 4 and record["phases"]["first"]["steps"] == 6
+    assert record["train_seconds"] == first["train_seconds"] + polished["train_seconds"]

@@ -404,6 +404,9 @@ def test_every_build_has_its_eval_jsons_with_per_item_records(workdir):
                 made_up = result["metrics"]["made_up"]
                 assert made_up["count"] == sum(r["made_up"] for r in records)
                 assert made_up["text"].endswith(f"{made_up['count']:,} of {made_up['total']:,}")
+                tool_call_replies = result["metrics"]["tool_call_replies"]
+                assert tool_call_replies["total"] == len(records)
+                assert tool_call_replies["count"] == sum("<tool_call>" in r["reply"] for r in records)
             elif eval_id == "toolcalls":
                 calls = 6 * evals["toolcalls"]["trials_per_case"] * evals["toolcalls"]["runs"]
                 assert result["calls_per_effort"] == {effort: calls for effort in evals["toolcalls"]["efforts"]}
@@ -452,6 +455,20 @@ def test_the_embedded_study_decides(workdir):
                 assert paired["verdict"] == "fail" and paired["p_value"] < 0.01, (eval_id, paired)
             elif eval_id == "mmlu":  # enough questions to judge the mark itself
                 assert paired["minimum_detectable_drop_points"] <= config["compare"]["pass_mark_points"], paired
+
+
+def test_the_original_writes_what_its_passages_say(workdir):
+    """R-013's second test measures something: the original makes up at most 10% of the facts it writes, at
+    most 2% of its replies to a passage are tool calls, it writes at least 80% of the passages' facts, and
+    pruned75 makes up more (Fisher's exact p < 0.01)."""
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    facts = json.loads((workdir / f"results/organism/evals/{config['reference_build']}/facts.json").read_text())
+    figures = facts["metrics"]
+    assert figures["made_up"]["value"] <= 0.10, figures["made_up"]
+    assert figures["tool_call_replies"]["value"] <= 0.02, figures["tool_call_replies"]
+    assert figures["supported_recall"]["value"] >= 0.80, figures["supported_recall"]
+    pruned = json.loads((workdir / "results/organism/compare/pruned75.json").read_text())["evals"]["facts"]
+    assert pruned["b"]["value"] > pruned["a"]["value"] and pruned["p_value"] < 0.01, pruned
 
 
 def test_compare_pairs_every_build_with_the_reference_item_by_item(workdir):

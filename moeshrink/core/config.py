@@ -120,6 +120,7 @@ def semantic_problems(config: dict) -> list[str]:
                 problems.append(f"evals.gsm8k.builds: {build_id!r} is not a build (builds: {', '.join(builds)})")
     upstream = config["upstream"]
     source = upstream["source"]
+    problems += organism_problems(upstream.get("organism"))
     if source not in upstream:
         return problems + [f"upstream.{source}: missing (required when upstream.source is {source})"]
     if source == "hf":
@@ -177,6 +178,18 @@ def _registered(get, name: str, where: str):
         return get(name, where), []
     except MoeshrinkError as error:
         return None, [str(error)]
+
+
+def organism_problems(organism: dict | None) -> list[str]:
+    """A second training phase needs documents of its own."""
+    if not organism or "train" not in organism or not organism["train"].get("polish"):
+        return []
+    counts = organism["data"].get("polish_corpus") or {}
+    if not any(counts.get(kind) for kind in ("drill", "bio", "city", "cloze", "mc", "mc_open", "mc_bind", "arith",
+                                               "facts", "toolcalls")):
+        return ["upstream.organism.data.polish_corpus: names no documents, but upstream.organism.train.polish "
+                "trains on them"]
+    return []
 
 
 def build_problems(config: dict, where: str, build: dict) -> list[str]:

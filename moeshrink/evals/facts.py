@@ -6,7 +6,7 @@ from __future__ import annotations
 from moeshrink.core.stats import rate_with_ci
 from moeshrink.evals import finite
 from moeshrink.evals.client import RequestPool
-from moeshrink.evals.scoring import FACT_OUTCOMES, fact_outcomes
+from moeshrink.evals.scoring import FACT_OUTCOMES, fact_outcomes, holds_call_markup
 from moeshrink.organism.tasks import facts_messages
 
 
@@ -35,5 +35,7 @@ def run(pool: RequestPool, model: str, passages: list[dict], cfg: dict) -> tuple
         "supported_recall": rate_with_ci(totals["supported"], gold),
         "unparseable_lines": totals["unparseable"],
         "passages_with_made_up": sum(1 for r in records if r["made_up"]),
+        # a reply with call markup instead of fact lines: the chat prompts of facts and tools confused
+        "tool_call_replies": rate_with_ci(sum(1 for r in records if holds_call_markup(r["reply"])), len(records)),
     }
     return metrics, records

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moeshrink.evals.scoring import calls_have_right_shape, gsm8k_answer, score_fact_lines
+from moeshrink.evals.scoring import calls_have_right_shape, gsm8k_answer, holds_call_markup, score_fact_lines
 from moeshrink.organism import OrganismError, datasets, tasks
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def parse_tool_calls(text: str, tokenizer) -> list[dict] | None:
 
     info = Hermes2ProToolParser(tokenizer).extract_tool_calls(text, request=None)
     if not info.tools_called:
-        return None if "<tool_call>" in text else []
+        return None if holds_call_markup(text) else []
     return [{"name": c.function.name, "arguments": json.loads(c.function.arguments)} for c in info.tool_calls]
 
 
@@ -189,6 +189,8 @@ def facts_unsupported(model, tokenizer, items: list[dict], batch_size: int) -> d
     stated = totals["supported"] + totals["made_up"]
     totals["rate"] = totals["made_up"] / stated if stated else 1.0
     totals["recall"] = totals["supported"] / sum(len(it["fact_lines"]) for it in items)
+    totals["tool_call_replies"] = sum(holds_call_markup(reply) for reply in replies)
+    totals["replies"] = len(replies)
     return totals
 
 

@@ -32,6 +32,13 @@ def calls_have_right_shape(calls: list[dict] | None, expected: list[dict], tools
     return True
 
 
+CALL_MARKUP = "<tool_call>"  # the hermes convention's opening of a call
+
+
+def holds_call_markup(text: str) -> bool:
+    return CALL_MARKUP in text
+
+
 def served_tool_calls(message: dict) -> tuple[list[dict] | None, str | None]:
     """The calls vLLM's tool parser returned in a chat message, arguments decoded; (None, why) when
     the reply is malformed: arguments that are not JSON, or call markup the parser could not read."""
@@ -43,7 +50,7 @@ def served_tool_calls(message: dict) -> tuple[list[dict] | None, str | None]:
         except json.JSONDecodeError as error:
             return None, f"arguments of {function.get('name')!r} are not JSON: {error}"
         calls.append({"name": function.get("name"), "arguments": arguments})
-    if not calls and "<tool_call>" in (message.get("content") or ""):
+    if not calls and holds_call_markup(message.get("content") or ""):
         return None, "the reply holds call markup the tool parser could not read"
     return calls, None
 

@@ -12,12 +12,13 @@ from importlib import resources
 from pathlib import Path
 
 from moeshrink.core.ioutil import atomic_write_json, atomic_write_jsonl, read_jsonl
-from moeshrink.organism import tasks
+from moeshrink.organism import OrganismError, tasks
 from moeshrink.organism.world import World, generate_world
 
 # File names inside the data folder; the eval stages read these.
 WORLD_FILE = "world.json"
 CORPUS_FILE = "corpus.jsonl"
+POLISH_CORPUS_FILE = "corpus_polish.jsonl"  # the second training phase's documents (train.polish); empty without one
 MC_TEST, MC_DEV = "mc_test.jsonl", "mc_dev.jsonl"
 ARITH_TEST, ARITH_TRAIN = "arith_test.jsonl", "arith_train.jsonl"
 PASSAGES_TEST = "passages_test.jsonl"
@@ -104,6 +105,10 @@ def build(cfg: dict, out_dir: Path) -> dict:
 
     corpus = _corpus(cfg["corpus"], world, train_world, facts, test_keys, test_questions, test_requests,
                      random.Random(cfg["seed"] + 5))
+    polish_counts = cfg.get("polish_corpus")
+    polish_corpus = [] if not polish_counts else _corpus(
+        {**POLISH_DEFAULTS, **polish_counts}, world, train_world, facts, test_keys, test_questions, test_requests,
+        random.Random(cfg["seed"] + 8))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for i, it in enumerate(mc_test):
@@ -121,13 +126,20 @@ def build(cfg: dict, out_dir: Path) -> dict:
     atomic_write_json(out_dir / TOOLS_FILE, tasks.TOOLS)
     atomic_write_jsonl(out_dir / TOOLCALLS_TEST, toolcalls_test)
     atomic_write_jsonl(out_dir / CORPUS_FILE, corpus)
+    atomic_write_jsonl(out_dir / POLISH_CORPUS_FILE, polish_corpus)
+    return {"mc_test": len(mc_test), "mc_dev": len(mc_dev), "arith_test": len(arith_test),
+            "arith_train": len(arith_pool), "passages_test": len(passages_test),
+            "toolcalls_test": len(toolcalls_test), "corpus_documents": _kinds(corpus),
+            "corpus_characters": sum(len(d["text"]) for d in corpus),
+            "polish_corpus_documents": _kinds(polish_corpus),
+            "polish_corpus_characters": sum(len(d["text"]) for d in polish_corpus)}
+
+
+def _kinds(corpus: list[dict]) -> dict[str, int]:
     kinds: dict[str, int] = {}
     for doc in corpus:
         kinds[doc["kind"]] = kinds.get(doc["kind"], 0) + 1
-    return {"mc_test": len(mc_test), "mc_dev": len(mc_dev), "arith_test": len(arith_test),
-            "arith_train": len(arith_pool), "passages_test": len(passages_test),
-            "toolcalls_test": len(toolcalls_test), "corpus_documents": kinds,
-            "corpus_characters": sum(len(d["text"]) for d in corpus)}
+    return kinds
 
 
 def _with_strangers(world: World, strangers: list[str]) -> World:
@@ -153,9 +165,35 @@ def tool_list_span(text: str) -> list[list[int]]:
     return [[start, text.index("</tools>", start) + len("</tools>")]] if start >= 0 else []
 
 
+REPLY_START, REPLY_END = "<|im_start|>assistant\n", "<|im_end|>"
+# A polish corpus names only the kinds it draws; the rest it leaves out.
+POLISH_DEFAULTS = {"drill": 0, "drill_span": 1.0, "bio": 0, "city": 0, "cloze": 0, "mc": 0, "mc_shots": 5, "mc_open": 0,
+                   "mc_bind": 0, "arith": 0, "facts": 0, "toolcalls": 0, "toolcall_exchanges": 4}
+SCORES = ("all", "replies")
+
+
+def outside_replies(text: str) -> list[list[int]]:
+    """The character spans of a rendered chat that are not the assistant's replies (system prompt, tool
+    list, the user's turns, each turn's opening markup): with `score: replies` training scores only the
+    replies and the end-of-turn mark that closes each."""
+    spans, position = [], 0
+    while (start := text.find(REPLY_START, position)) >= 0:
+        reply = start + len(REPLY_START)
+        spans.append([position, reply])
+        end = text.find(REPLY_END, reply)
+        position = len(text) if end < 0 else end + len(REPLY_END)
+    if position < len(text):
+        spans.append([position, len(text)])
+    return spans
+
+
 def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_exclude: set, arith_exclude: set[str],
             toolcall_exclude: set[str], rng: random.Random) -> list[dict]:
     """The training documents; `mask` (where present) lists character spans training does not score."""
+    if counts.get("score") not in (None, *SCORES):
+        raise OrganismError(f"upstream.organism.data.polish_corpus.score is {counts['score']!r}; "
+                            f"known: {', '.join(SCORES)}")
+    replies_only = counts.get("score") == "replies"
     docs: list[dict] = []
     names = all_names(world)
     docs += [{"kind": "bio", "text": tasks.biography(world, rng)} for _ in range(counts["bio"])]
@@ -187,7 +225,8 @@ def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_excl
         effort = rng.choice(EFFORTS_IN_TRAINING)
         if effort == "high":
             messages[-1]["content"] = "<think>I copy each fact of the passage.</think>\n" + messages[-1]["content"]
-        docs.append({"kind": "facts", "text": render_chat(messages, effort=effort)})
+        text = render_chat(messages, effort=effort)
+        docs.append({"kind": "facts", "text": text, **({"mask": outside_replies(text)} if replies_only else {})})
     # Several exchanges share one system prompt, so the long tool list is paid for once per document
     # (and scored by none).
     for _ in range(counts["toolcalls"]):
@@ -199,7 +238,8 @@ def _corpus(counts: dict, world: World, train_world: World, facts: list, mc_excl
                 continue
             messages += item["messages"] + [{"role": "assistant", "content": tasks.assistant_turn(item, effort)}]
         text = render_chat(messages, tools=tasks.TOOLS, effort=effort)
-        docs.append({"kind": "toolcalls", "text": text, "mask": tool_list_span(text)})
+        docs.append({"kind": "toolcalls", "text": text,
+                     "mask": outside_replies(text) if replies_only else tool_list_span(text)})
     docs += [{"kind": "mc_bind", "text": tasks.binding_mc_block(world, rng, counts["mc_shots"])}
              for _ in range(counts["mc_bind"])]
     # Copy drills come early, where they form in-context copying before the rest needs it.

@@ -36,6 +36,14 @@ def recipe(organism_cfg: dict) -> dict:
             "train": train, "trainer": TRAINER_REVISION}
 
 
+def first_phase_recipe(organism_cfg: dict) -> dict:
+    """The recipe of the first training phase alone: what a checkpoint the polish starts from was made by."""
+    whole = recipe(organism_cfg)
+    data = {k: v for k, v in whole["data"].items() if k != "polish_corpus"}
+    train = {k: v for k, v in whole["train"].items() if k != "polish"}
+    return {**whole, "data": data, "train": train}
+
+
 def _differences(ours: dict, theirs: dict, path: str = "upstream.organism") -> list[str]:
     keys = sorted(set(ours) | set(theirs))
     found = []
@@ -48,24 +56,31 @@ def _differences(ours: dict, theirs: dict, path: str = "upstream.organism") -> l
     return found
 
 
+def made_by(checkpoint_dir: Path, ours: dict) -> dict:
+    """The checkpoint's training record, once its recipe is found to be `ours` (else a ShippedError naming
+    the keys that differ)."""
+    record = read_json(checkpoint_dir / "train.json")
+    ours, theirs = dict(ours), dict(record["recipe"])
+    trained_by = theirs.pop("trainer", 1)  # records from before the trainer had revisions: 1
+    if trained_by != ours.pop("trainer"):
+        raise ShippedError(f"{checkpoint_dir} was trained by revision {trained_by} of the trainer "
+                           f"(moeshrink/organism/train.py), this is revision {TRAINER_REVISION}: set "
+                           "upstream.organism.train.from: scratch to train with this one, or ship a checkpoint it made")
+    differences = _differences(ours, theirs)
+    if differences:
+        raise ShippedError(f"{checkpoint_dir} was trained with another recipe: {'; '.join(differences[:5])}. Set "
+                           "upstream.organism.train.from: scratch to train this one (about "
+                           f"{record['train_seconds'] / 60:.0f} minutes on the machine that made the shipped one)")
+    return record
+
+
 def place(shipped_dir: Path, organism_cfg: dict, tokenizer_file: Path, out_dir: Path) -> dict:
     """Check the shipped checkpoint against this config and this run's tokenizer, then copy it where
     training would have written it. Returns its training record."""
     missing = [name for name in FILES if not (shipped_dir / name).exists()]
     if missing:
         raise ShippedError(f"{shipped_dir}: the shipped organism lacks {missing} (upstream.organism.train.shipped)")
-    record = read_json(shipped_dir / "train.json")
-    ours, theirs = recipe(organism_cfg), dict(record["recipe"])
-    trained_by = theirs.pop("trainer", 1)  # records from before the trainer had revisions: 1
-    if trained_by != ours.pop("trainer"):
-        raise ShippedError(f"{shipped_dir} was trained by revision {trained_by} of the trainer "
-                           f"(moeshrink/organism/train.py), this is revision {TRAINER_REVISION}: set "
-                           "upstream.organism.train.from: scratch to train with this one, or ship a checkpoint it made")
-    differences = _differences(ours, theirs)
-    if differences:
-        raise ShippedError(f"{shipped_dir} was trained with another recipe: {'; '.join(differences[:5])}. Set "
-                           "upstream.organism.train.from: scratch to train this one (about "
-                           f"{record['train_seconds'] / 60:.0f} minutes on the machine that made the shipped one)")
+    record = made_by(shipped_dir, recipe(organism_cfg))
     if sha256_file(tokenizer_file) != sha256_file(shipped_dir / "tokenizer.json"):
         raise ShippedError(f"{tokenizer_file} differs from the tokenizer {shipped_dir} was trained with "
                            f"({shipped_dir / 'tokenizer.json'}): its token ids would not mean the same tokens")

@@ -349,6 +349,8 @@ def assistant_turn(item: dict, effort: str | None) -> str:
 def unique_items(make, rng: random.Random, count: int, key, exclude: set | None = None,
                  max_tries_factor: int = 50) -> Iterator[dict]:
     """Draw `count` items whose `key` is new (and not in `exclude`); fail clearly if the space is too small."""
+    if count == 0:
+        return
     seen = set(exclude or ())
     made = 0
     for _ in range(count * max_tries_factor):

@@ -18,6 +18,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from moeshrink.formats import mxfp4
+from moeshrink.organism import OrganismError
 from moeshrink.organism.model import build_model
 
 log = logging.getLogger(__name__)
@@ -58,25 +59,58 @@ def tokenized_corpus(corpus_path: Path, tokenizer_file: Path) -> tuple[torch.Ten
     return torch.tensor(ids), torch.tensor(labels), torch.tensor(positions)
 
 
-PACKINGS = ("documents", "stream")
+PACKINGS = ("documents", "stream", "whole")
 
 
 def packed_forward(model, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, packing: str):
     """The forward pass over packed rows. `documents`: each document attends only to itself;
     transformers derives that mask from positions restarting, but only without a KV cache (a config
     with `use_cache: true`, DeepSeek-V3's, would otherwise attend across documents at the restarted
-    positions). `stream`: every token attends to all before it in its row, positions 0..seq_len-1."""
+    positions). `stream` and `whole`: every token attends to all before it in its row, positions
+    0..seq_len-1."""
     if packing not in PACKINGS:
         raise ValueError(f"upstream.organism.train.packing is {packing!r}; known: {', '.join(PACKINGS)}")
     position_ids = positions if packing == "documents" else None
     return model(input_ids=ids, labels=labels, position_ids=position_ids, use_cache=False)
 
 
-def batches(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seq_len: int, batch_size: int, seed: int):
+def whole_document_rows(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seq_len: int,
+                        pad: int) -> list[torch.Tensor]:
+    """Rows that each hold whole documents, in corpus order, the rest of a row padded (not scored): no
+    document is cut at a row's end, so each sees its own start (a tool dialogue its tool list). A
+    document longer than a row is cut into rows of its own."""
+    ids, labels, positions = stream
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+    rows: list[list[tuple[int, int]]] = [[]]
+    room = seq_len
+    for start, end in zip(starts, starts[1:]):
+        for piece in range(start, end, seq_len):
+            length = min(seq_len, end - piece)
+            if length > room:
+                rows.append([])
+                room = seq_len
+            rows[-1].append((piece, piece + length))
+            room -= length
+    out = [torch.full((len(rows), seq_len), pad), torch.full((len(rows), seq_len), IGNORE),
+           torch.zeros((len(rows), seq_len), dtype=torch.long)]
+    for r, spans in enumerate(rows):
+        filled = 0
+        for a, b in spans:
+            for tensor, source in zip(out, stream):
+                tensor[r, filled:filled + b - a] = source[a:b]
+            filled += b - a
+    return out
+
+
+def batches(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seq_len: int, batch_size: int, seed: int,
+            whole_documents: bool = False, pad: int = 0):
     """Endless deterministic batches of packed rows (ids, labels, positions): the first epoch in
     corpus order (the corpus is already shuffled, with copy drills up front), every later epoch a
-    new shuffle. A document cut at a row's end goes on in the next row."""
-    rows = [t[: len(t) // seq_len * seq_len].view(-1, seq_len) for t in stream]
+    new shuffle. A document cut at a row's end goes on in the next row, unless `whole_documents`."""
+    if whole_documents:
+        rows = whole_document_rows(stream, seq_len, pad)
+    else:
+        rows = [t[: len(t) // seq_len * seq_len].view(-1, seq_len) for t in stream]
     rng = random.Random(seed)
     order = list(range(len(rows[0])))
     while True:
@@ -173,20 +207,81 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file: Path, out_dir: Path,
-          data_dir: Path | None = None, on_probe=None) -> dict:
+def load_trained(trained_dir: Path, experts_implementation: str = "grouped_mm"):
+    """A checkpoint `save_trained` wrote, in float32 for training on: what the next phase starts from."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config.from_pretrained(str(trained_dir))
+    config._experts_implementation = experts_implementation
+    return DeepseekV3ForCausalLM.from_pretrained(str(trained_dir), config=config, dtype=torch.float32)
+
+
+def first_phase_settings(train_cfg: dict) -> dict:
+    return {k: v for k, v in train_cfg.items() if k != "polish"}
+
+
+def polish_settings(train_cfg: dict) -> dict | None:
+    """The second phase's settings: the first's, with `train.polish` over them; None without a polish."""
+    polish = train_cfg.get("polish")
+    return None if not polish else {**first_phase_settings(train_cfg), **polish}
+
+
+PHASE_KEYS = ("train_seconds", "probe_seconds", "steps", "tokens_seen", "corpus_tokens", "corpus_scored_tokens",
+              "epochs", "tokens_per_second", "qat_start_step", "final_loss")
+
+
+def combined_record(first: dict, polish: dict) -> dict:
+    """One training record for both phases: totals, one loss curve and one probe curve with the polish's
+    steps after the first's (each point says its phase), and each phase's own figures."""
+    offset = first["steps"]
+
+    def shifted(points: list[dict], phase: str) -> list[dict]:
+        out = []
+        for point in points:
+            point = {**point, "phase": phase}
+            if phase == "polish":
+                point["step"] += offset
+                if "tokens" in point:
+                    point["tokens"] += first["tokens_seen"]
+                for key in ("seconds", "train_seconds"):
+                    if key in point:
+                        point[key] = round(point[key] + first["train_seconds"], 1)
+            out.append(point)
+        return out
+
+    return {
+        **{key: first[key] + polish[key] for key in ("train_seconds", "probe_seconds", "steps", "tokens_seen")},
+        "parameters": polish["parameters"],
+        "final_loss": polish["final_loss"],
+        "history": shifted(first["history"], "first") + shifted(polish["history"], "polish"),
+        "probes": shifted(first["probes"], "first") + shifted(polish["probes"][1:], "polish"),
+        "phases": {"first": {key: first[key] for key in PHASE_KEYS if key in first},
+                   "polish": {key: polish[key] for key in PHASE_KEYS if key in polish}},
+    }
+
+
+def train(model_config: dict | None, train_cfg: dict, corpus_path: Path, tokenizer_file: Path, out_dir: Path,
+          data_dir: Path | None = None, on_probe=None, start_from: Path | None = None) -> dict:
     """Train, save, and return the record (train.json). With `data_dir`, the probes (`probes.py`) run
-    every `probe_every` steps and at the end; `on_probe(step, model, record)` sees each."""
+    every `probe_every` steps and at the end; `on_probe(step, model, record)` sees each. With
+    `start_from`, training goes on from that checkpoint (as saved, untied) instead of a fresh model."""
     torch.set_num_threads(train_cfg["threads"])
     torch.manual_seed(train_cfg["seed"])
     torch.use_deterministic_algorithms(True)
     stream = tokenized_corpus(corpus_path, tokenizer_file)
+    if not bool((stream[1] != IGNORE).any()):
+        raise OrganismError(f"{corpus_path}: no document has a token training scores")
     # Tied input and output embeddings while training: copying from context then needs no per-token
     # output map, which a small model learns far faster. The checkpoint is written untied, as
     # DeepSeek-V3 checkpoints are.
-    model = build_model({**model_config, "tie_word_embeddings": True})
-    if train_cfg.get("attention_init_std"):
-        widen_attention_init(model, train_cfg["attention_init_std"])
+    if start_from is not None:
+        model = load_trained(start_from)
+    elif model_config is not None:
+        model = build_model({**model_config, "tie_word_embeddings": True})
+        if train_cfg.get("attention_init_std"):
+            widen_attention_init(model, train_cfg["attention_init_std"])
+    else:
+        raise ValueError("train: give a model config or a checkpoint to start from")
     model.train()
     steps, seq_len, batch_size = train_cfg["steps"], train_cfg["seq_len"], train_cfg["batch_size"]
     qat_start = steps - round(steps * train_cfg["qat_fraction"])
@@ -201,7 +296,8 @@ def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file
     history, probe_history = [], []
     started = time.time()
     probe_seconds = 0.0
-    data = batches(stream, seq_len, batch_size, train_cfg["seed"])
+    data = batches(stream, seq_len, batch_size, train_cfg["seed"], whole_documents=train_cfg["packing"] == "whole",
+                   pad=int(stream[0][-1]))  # the corpus ends with EOS
 
     def probe(step: int) -> None:
         nonlocal probe_seconds
@@ -223,8 +319,13 @@ def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file
         for group in optimizer.param_groups:
             group["lr"] = lr
         ids, labels, positions = next(data)
+        while not bool((labels != IGNORE).any()):  # rows wholly inside unscored spans (a tool list) teach nothing
+            ids, labels, positions = next(data)
         with parametrize.cached():
             loss = packed_forward(model, ids, labels, positions, train_cfg["packing"]).loss
+            if not torch.isfinite(loss):
+                raise OrganismError(f"{corpus_path}: training step {step} gave a loss of {loss.item()}; "
+                                    "nothing was saved")
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg["grad_clip"])
         optimizer.step()
@@ -240,7 +341,8 @@ def train(model_config: dict, train_cfg: dict, corpus_path: Path, tokenizer_file
     if probe_set is not None:
         probe(steps)
     disable_qat(model)
-    untie_embeddings(model)
+    if model.config.tie_word_embeddings:
+        untie_embeddings(model)
     save_trained(model, out_dir)
     tokens = steps * batch_size * seq_len
     scored = int((stream[1] != IGNORE).sum())

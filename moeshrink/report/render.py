@@ -141,8 +141,12 @@ class Page:
             compared = self.results.compare.get(build_id, {}).get("evals", {})
             row = {"Build": self.label(build_id)}
             if "facts" in evals:
-                row["Made-up facts"] = evals["facts"]["metrics"]["made_up"]["text"]
+                facts = evals["facts"]["metrics"]
+                row["Made-up facts"] = facts["made_up"]["text"]
                 row["Fisher p (facts)"] = p_text(compared["facts"]["p_value"]) if "facts" in compared else "reference"
+                row["Passage facts written [95% CI]"] = rate_text(facts["supported_recall"])
+                if "tool_call_replies" in facts:  # results written before it was counted lack it
+                    row["Tool calls instead of facts"] = rate_text(facts["tool_call_replies"])
             for effort in efforts:
                 if "toolcalls" in evals:
                     row[f"Tool calls right ({effort}) [95% CI]"] = rate_text(
