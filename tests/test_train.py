@@ -178,3 +178,30 @@ def test_the_polish_goes_on_from_the_first_phase_as_saved_and_one_record_holds_b
     assert [h["step"] for h in record["history"]] == list(range(10))
     assert record["phases"]["polish"]["steps"] == 4 and record["phases"]["first"]["steps"] == 6
     assert record["train_seconds"] == first["train_seconds"] + polished["train_seconds"]
+
+
+def test_a_non_finite_loss_or_a_corpus_too_short_to_train_on_stops_training_naming_it(
+        tmp_path, small_data, small_tokenizer_dir, monkeypatch):
+    import types
+
+    import pytest
+
+    from moeshrink.organism import OrganismError
+    from moeshrink.organism import train as train_module
+
+    config = organism_config(TINY_MODEL, small_tokenizer_dir)
+    nan_loss = types.SimpleNamespace(loss=torch.tensor(float("nan"), requires_grad=True))
+    monkeypatch.setattr(train_module, "packed_forward", lambda *args, **kwargs: nan_loss)
+    with pytest.raises(OrganismError, match=r"corpus\.jsonl: training step 0 gave a loss of nan"):
+        train(config, TRAIN, small_data / datasets.CORPUS_FILE, small_tokenizer_dir / "tokenizer.json",
+              tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(OrganismError, match="empty.jsonl: holds no document to train on"):
+        train(config, TRAIN, empty, small_tokenizer_dir / "tokenizer.json", tmp_path / "out")
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"kind": "bio", "text": "Zevein lives in Soure."}\n' * 3)
+    with pytest.raises(OrganismError, match=r"short.jsonl: fills 0 rows of 64 tokens, 0 with a token training "
+                                            r"scores: fewer than one batch \(2 rows\)"):
+        train(config, TRAIN, short, small_tokenizer_dir / "tokenizer.json", tmp_path / "out")

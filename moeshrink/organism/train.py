@@ -102,15 +102,18 @@ def whole_document_rows(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     return out
 
 
-def batches(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seq_len: int, batch_size: int, seed: int,
-            whole_documents: bool = False, pad: int = 0):
-    """Endless deterministic batches of packed rows (ids, labels, positions): the first epoch in
-    corpus order (the corpus is already shuffled, with copy drills up front), every later epoch a
-    new shuffle. A document cut at a row's end goes on in the next row, unless `whole_documents`."""
-    if whole_documents:
-        rows = whole_document_rows(stream, seq_len, pad)
-    else:
-        rows = [t[: len(t) // seq_len * seq_len].view(-1, seq_len) for t in stream]
+def packed_rows(stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seq_len: int, packing: str,
+                pad: int) -> list[torch.Tensor]:
+    """The corpus as rows of `seq_len` tokens (ids, labels, positions). A document cut at a row's end goes
+    on in the next row, but with `whole` packing; the tail that fills no row is left out."""
+    if packing == "whole":
+        return whole_document_rows(stream, seq_len, pad)
+    return [t[: len(t) // seq_len * seq_len].view(-1, seq_len) for t in stream]
+
+
+def batches(rows: list[torch.Tensor], batch_size: int, seed: int):
+    """Endless deterministic batches of rows (ids, labels, positions): the first epoch in corpus order
+    (the corpus is already shuffled, with copy drills up front), every later epoch a new shuffle."""
     rng = random.Random(seed)
     order = list(range(len(rows[0])))
     while True:
@@ -269,8 +272,8 @@ def train(model_config: dict | None, train_cfg: dict, corpus_path: Path, tokeniz
     torch.manual_seed(train_cfg["seed"])
     torch.use_deterministic_algorithms(True)
     stream = tokenized_corpus(corpus_path, tokenizer_file)
-    if not bool((stream[1] != IGNORE).any()):
-        raise OrganismError(f"{corpus_path}: no document has a token training scores")
+    if not len(stream[0]):
+        raise OrganismError(f"{corpus_path}: holds no document to train on")
     # Tied input and output embeddings while training: copying from context then needs no per-token
     # output map, which a small model learns far faster. The checkpoint is written untied, as
     # DeepSeek-V3 checkpoints are.
@@ -296,8 +299,12 @@ def train(model_config: dict | None, train_cfg: dict, corpus_path: Path, tokeniz
     history, probe_history = [], []
     started = time.time()
     probe_seconds = 0.0
-    data = batches(stream, seq_len, batch_size, train_cfg["seed"], whole_documents=train_cfg["packing"] == "whole",
-                   pad=int(stream[0][-1]))  # the corpus ends with EOS
+    rows = packed_rows(stream, seq_len, train_cfg["packing"], pad=int(stream[0][-1]))  # the corpus ends with EOS
+    if len(rows[0]) < batch_size or not bool((rows[1] != IGNORE).any()):
+        raise OrganismError(f"{corpus_path}: fills {len(rows[0])} rows of {seq_len} tokens, "
+                            f"{int((rows[1] != IGNORE).any(dim=1).sum())} with a token training scores: "
+                            f"fewer than one batch ({batch_size} rows) to train on")
+    data = batches(rows, batch_size, train_cfg["seed"])
 
     def probe(step: int) -> None:
         nonlocal probe_seconds
@@ -325,7 +332,7 @@ def train(model_config: dict | None, train_cfg: dict, corpus_path: Path, tokeniz
             loss = packed_forward(model, ids, labels, positions, train_cfg["packing"]).loss
             if not torch.isfinite(loss):
                 raise OrganismError(f"{corpus_path}: training step {step} gave a loss of {loss.item()}; "
-                                    "nothing was saved")
+                                    "training stops here")
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg["grad_clip"])
         optimizer.step()
