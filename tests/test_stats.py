@@ -122,3 +122,15 @@ def test_stats_cli_prints_json():
     assert fisher["p_value"] == pytest.approx(0.1)
     bad = _cli("fisher", "--bad-a", "9", "--total-a", "3", "--bad-b", "0", "--total-b", "3")
     assert bad.returncode == 2 and "more bad items than items" in bad.stderr
+
+
+@pytest.mark.parametrize("total", [1, 7, 300, 1020, 1565])
+def test_a_wilson_interval_holds_its_rate_at_none_and_at_all(total):
+    """At 0 of n the lower bound is exactly 0 and at n of n the upper exactly 1 (in floating point the
+    formula lands a hair inside, 0.9999999999999999 at 1,020 of 1,020, which put the rate outside)."""
+    for successes in (0, total):
+        figure = stats.rate_with_ci(successes, total)
+        assert figure["ci95"][0] <= figure["value"] <= figure["ci95"][1]
+    assert stats.wilson(0, total)[0] == 0.0 and stats.wilson(total, total)[1] == 1.0
+    low, high = stats.wilson(total, total)
+    assert low == pytest.approx(total / (total + stats.Z95 ** 2), rel=1e-12)  # the closed form at n of n

@@ -23,7 +23,10 @@ def wilson(successes: int, total: int, z: float = Z95) -> tuple[float, float]:
     denominator = 1 + z * z / total
     centre = (rate + z * z / (2 * total)) / denominator
     half = z * math.sqrt(rate * (1 - rate) / total + z * z / (4 * total * total)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at 0 of n and n of n the bound is exactly 0 or 1; floating point lands a hair inside it
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == total else min(1.0, centre + half)
+    return low, high
 
 
 def rate_with_ci(successes: int, total: int) -> dict:
