@@ -86,8 +86,9 @@ def cmd_polish_organism(args) -> int:
     base_record = shipped.made_by(base, shipped.first_phase_recipe(organism))
     data = Path(args.data) if args.data else results_dir(config) / "organism/data"
     tokenizer = Path(args.tokenizer) if args.tokenizer else results_dir(config) / "organism/tokenizer"
-    if shipped.sha256_file(tokenizer / "tokenizer.json") != base_record["tokenizer_sha256"]:
-        raise shipped.ShippedError(f"{tokenizer / 'tokenizer.json'} is not the tokenizer {base} was trained with")
+    shipped.check_tokenizer(base, tokenizer / "tokenizer.json")
+    if not organism["train"].get("polish"):
+        raise shipped.ShippedError("upstream.organism.train.polish is not set: there is no second phase to train")
     prov = Provenance("organism_polish", {"train": organism["train"]},
                       inputs=[str(base / "model.safetensors"), str(data / datasets.POLISH_CORPUS_FILE)])
     with atomic_path(Path(args.out)) as staging:

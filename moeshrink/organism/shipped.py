@@ -74,6 +74,12 @@ def made_by(checkpoint_dir: Path, ours: dict) -> dict:
     return record
 
 
+def check_tokenizer(checkpoint_dir: Path, tokenizer_file: Path) -> None:
+    if sha256_file(tokenizer_file) != sha256_file(checkpoint_dir / "tokenizer.json"):
+        raise ShippedError(f"{tokenizer_file} differs from the tokenizer {checkpoint_dir} was trained with "
+                           f"({checkpoint_dir / 'tokenizer.json'}): its token ids would not mean the same tokens")
+
+
 def place(shipped_dir: Path, organism_cfg: dict, tokenizer_file: Path, out_dir: Path) -> dict:
     """Check the shipped checkpoint against this config and this run's tokenizer, then copy it where
     training would have written it. Returns its training record."""
@@ -81,9 +87,7 @@ def place(shipped_dir: Path, organism_cfg: dict, tokenizer_file: Path, out_dir: 
     if missing:
         raise ShippedError(f"{shipped_dir}: the shipped organism lacks {missing} (upstream.organism.train.shipped)")
     record = made_by(shipped_dir, recipe(organism_cfg))
-    if sha256_file(tokenizer_file) != sha256_file(shipped_dir / "tokenizer.json"):
-        raise ShippedError(f"{tokenizer_file} differs from the tokenizer {shipped_dir} was trained with "
-                           f"({shipped_dir / 'tokenizer.json'}): its token ids would not mean the same tokens")
+    check_tokenizer(shipped_dir, tokenizer_file)
     if sha256_file(shipped_dir / MODEL_FILE) != record["model_sha256"]:
         raise ShippedError(f"{shipped_dir / MODEL_FILE}: sha256 differs from its training record's")
     out_dir.mkdir(parents=True, exist_ok=True)
