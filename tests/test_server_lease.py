@@ -142,6 +142,44 @@ def test_a_server_stops_only_after_its_last_lease_and_the_idle_grace(tmp_path, s
         slot.release()
 
 
+def test_an_unleased_server_hands_the_machine_over_to_a_build_blocked_on_it(tmp_path, slots):
+    """Jobs run one build after another, so a build queued for the machine means the server's own jobs are
+    done: it stops at once instead of after the grace. A supervisor that only just queued (it may yet find a
+    free slot) does not count."""
+    server, idle, serve_dir, slot = _served(tmp_path, slots, grace_s=600.0)
+    idle.handover = slot.others_waiting
+    job = _sleeper()
+    _lease(serve_dir, job.pid)
+    waiter = MachineSlot(1, order=2, directory=slots)
+    queued = threading.Thread(target=waiter.acquire)
+    outcome: list[int] = []
+    loop = threading.Thread(target=lambda: outcome.append(supervisor._serve_while_leased("twx3", server, serve_dir,
+                                                                                         idle, 5)))
+    try:
+        queued.start()
+        time.sleep(0.5)
+        assert not slot.others_waiting()  # queued 0.5 s ago: not yet blocked
+        assert slot.others_waiting(blocked_for_s=0.2)
+        loop.start()
+        time.sleep(3)
+        assert loop.is_alive()  # its job still holds it
+        released = time.time()
+        (serve_dir / LEASES_DIR / process_key(job.pid)).unlink()
+        loop.join(timeout=30)
+        assert outcome == [0] and time.time() - released < 10  # the grace is 600 s
+        record = json.loads((serve_dir / ENDPOINT_FILE).read_text())
+        assert record["stop_reason"] == "no job held it and another build waits for the machine"
+        slot.release()
+        queued.join(timeout=30)
+        assert waiter.handle is not None  # the blocked build took the slot
+    finally:
+        for process in (job, server.process):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        slot.release()
+        waiter.release()
+
+
 def test_a_failed_start_reaches_the_lessee_with_its_cause(tmp_path):
     endpoint = tmp_path / "endpoint.json"
     atomic_write_json(endpoint, {"state": "failed", "likely_cause": "out of memory: the build does not fit",

@@ -301,6 +301,19 @@ class MachineSlot:
                 ticket.unlink(missing_ok=True)
         return waiting
 
+    def others_waiting(self, blocked_for_s: float = SETTLE_S + 2) -> bool:
+        """Whether another supervisor has queued this long for a slot: every slot is taken, and one
+        of them is likely held by a server no job needs any more."""
+        now = time.time()
+        with locked(self.directory / "queue.lock"):
+            for _, _, ticket in self._waiting():
+                try:
+                    if ticket != self.ticket and now - ticket.stat().st_mtime >= blocked_for_s:
+                        return True
+                except FileNotFoundError:  # it took a slot meanwhile
+                    continue
+        return False
+
     def _first_in_line(self) -> bool:
         waiting = self._waiting()
         return bool(waiting) and min(waiting)[2] == self.ticket

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from moeshrink.core.checkpoint import MANIFEST_FILE, CheckpointError, verify_folder
@@ -101,12 +102,15 @@ class _Stop:
 
 
 class _Idle:
-    """How long the build's server has gone without a live lease."""
+    """How long the build's server has gone without a live lease. Once it serves, `handover` says whether
+    another build's supervisor is blocked on the machine's slots: jobs run one build after another
+    (`priority:` in the rules), so an unleased server then has no job left and stops without the grace."""
 
     def __init__(self, serve_dir: Path, grace_s: float):
         self.serve_dir = serve_dir
         self.grace_s = grace_s
         self.since: float | None = None
+        self.handover: Callable[[], bool] = lambda: False
 
     def expired(self) -> bool:
         """Call under the lock."""
@@ -115,7 +119,7 @@ class _Idle:
             return False
         now = time.time()
         self.since = self.since or now
-        return now - self.since >= self.grace_s
+        return now - self.since >= self.grace_s or self.handover()
 
     def expired_now(self) -> bool:
         with locked(self.serve_dir / LOCK_FILE):
@@ -138,6 +142,7 @@ def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path,
                       stop_reason="terminated while queued" if _Stop.now() else "no job held it while it queued")
         log.info("%s: %s", build, error)
         return 0
+    idle.handover = slot.others_waiting
     try:
         return _serve(build, model_dir, serve, prediction_path, serve_dir, log_path, slot_number, idle)
     finally:
@@ -205,7 +210,9 @@ def _serve_while_leased(build: str, server: VLLMServer, serve_dir: Path, idle: _
             return 1
         with locked(serve_dir / LOCK_FILE):
             if _Stop.now() or idle.expired():
-                reason = "terminated" if _Stop.now() else "no job held it for the idle grace"
+                reason = ("terminated" if _Stop.now() else "no job held it for the idle grace"
+                          if idle.since and time.time() - idle.since >= idle.grace_s
+                          else "no job held it and another build waits for the machine")
                 _stopped(serve_dir, server, stop_timeout_s, reason)
                 log.info("%s stopped (%s)", build, reason)
                 return 0
