@@ -121,7 +121,7 @@ ROWS = [
     ("evals.client.lm_eval_batch_size", lambda c: _set(c, "evals.client.lm_eval_batch_size", 3), lambda s: []),
     ("cluster.partition", lambda c: _set(c, "cluster.partition", "cpu"), lambda s: []),
     ("upstream.organism.train.threads", lambda c: _set(c, "upstream.organism.train.threads", 1), lambda s: []),
-    ("upstream.organism.card.threads", lambda c: _set(c, "upstream.organism.card.threads", 1), lambda s: []),
+    ("upstream.organism.card.threads", lambda c: _set(c, "upstream.organism.card.threads", 2), lambda s: []),
     ("key order", lambda c: _reorder(c), lambda s: []),
     ("the builds' order", lambda c: _reorder(c, builds_too=True), lambda s: ["compare_summary", "report"]),  # ties
     ("plan.reserve_gib", lambda c: _set(c, "plan.reserve_gib", 12), lambda s: ["report"]),
