@@ -84,14 +84,10 @@ def server_queue_priority(wildcards):
     return len(BUILD_IDS) - queue_order(config, wildcards.build)
 
 
-def beside_the_servers(wildcards):
-    """The organism card (transformers, on one thread) starts before any build's jobs and runs beside the
-    servers: a starting server leaves a core idle, a serving one spins on it."""
-    return len(BUILD_IDS) + 1
-
-
 def before_every_build(wildcards):
-    """What every build may need (an encoder table) runs before any build's own jobs."""
+    """What every build may need (an encoder table) runs before any build's own jobs; so does the organism
+    card (transformers, on one thread), which then runs beside the servers: a starting server leaves a core
+    idle, a serving one spins on it."""
     return len(BUILD_IDS) + 1
 
 

@@ -118,7 +118,7 @@ if UPSTREAM_SOURCE == "organism":
         params:
             card=organism_card_params(config),
         threads: ORGANISM["card"]["threads"]
-        priority: beside_the_servers
+        priority: before_every_build
         log:
             "logs/{run}/upstream/organism_card.log",
         benchmark:
