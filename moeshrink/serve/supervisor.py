@@ -112,18 +112,20 @@ class _Idle:
         self.since: float | None = None
         self.handover: Callable[[], bool] = lambda: False
 
-    def expired(self) -> bool:
-        """Call under the lock."""
+    def expired(self) -> str | None:
+        """Why the server should stop now, if it should. Call under the lock."""
         if live_leases(self.serve_dir):
             self.since = None
-            return False
+            return None
         now = time.time()
         self.since = self.since or now
-        return now - self.since >= self.grace_s or self.handover()
+        if now - self.since >= self.grace_s:
+            return "no job held it for the idle grace"
+        return "no job held it and another build waits for the machine" if self.handover() else None
 
     def expired_now(self) -> bool:
         with locked(self.serve_dir / LOCK_FILE):
-            return self.expired()
+            return self.expired() is not None
 
 
 def run_service(build: str, model_dir: Path, serve: dict, prediction_path: Path, endpoint_path: Path,
@@ -209,10 +211,8 @@ def _serve_while_leased(build: str, server: VLLMServer, serve_dir: Path, idle: _
                 _stopped(serve_dir, server, stop_timeout_s, f"the server exited with code {server.process.returncode}")
             return 1
         with locked(serve_dir / LOCK_FILE):
-            if _Stop.now() or idle.expired():
-                reason = ("terminated" if _Stop.now() else "no job held it for the idle grace"
-                          if idle.since and time.time() - idle.since >= idle.grace_s
-                          else "no job held it and another build waits for the machine")
+            reason = "terminated" if _Stop.now() else idle.expired()
+            if reason:
                 _stopped(serve_dir, server, stop_timeout_s, reason)
                 log.info("%s stopped (%s)", build, reason)
                 return 0
