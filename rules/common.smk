@@ -85,9 +85,10 @@ def server_queue_priority(wildcards):
 
 
 def before_every_build(wildcards):
-    """What every build may need (an encoder table) runs before any build's own jobs; so does the organism
-    card (transformers, on one thread), which then runs beside the servers: a starting server leaves a core
-    idle, a serving one spins on it. So does each build's serve prediction, as soon as the build exists: at
+    """What every build may need (an encoder table) runs before any build's own jobs; so do the organism
+    card (transformers, on one thread) and the bf16 twin it reads (a priority is not passed on to a job's
+    inputs), so that the card runs beside the servers: a starting server leaves a core idle, a serving one
+    spins on it. So does each build's serve prediction, as soon as the build exists: at
     the lowest priority it waited for the reference's last eval, and a later build whose prediction finished
     first had a job ready before an earlier build's, which breaks the one-build-after-another order that the
     supervisors' handover relies on (measured: one build's server started four times)."""

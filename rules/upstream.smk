@@ -164,6 +164,7 @@ rule upstream_bf16_twin:
         "logs/{run}/upstream/upstream_bf16_twin.log",
     benchmark:
         "benchmarks/{run}/upstream/upstream_bf16_twin.tsv"
+    priority: before_every_build
     resources:
         **CPU_JOB,
         mem_mb=8000,
