@@ -40,7 +40,7 @@ rule expert_importance:
         "logs/{run}/importance/{build}.log",
     benchmark:
         "benchmarks/{run}/importance/{build}.tsv"
-    priority: server_queue_priority
+    priority: build_priority
     resources:
         **CPU_JOB,
         mem_mb=8000,
@@ -64,7 +64,7 @@ rule build_plan:
         "logs/{run}/builds/{build}/plan.log",
     benchmark:
         "benchmarks/{run}/builds/{build}/plan.tsv"
-    priority: server_queue_priority
+    priority: build_priority
     resources:
         **CPU_JOB,
         mem_mb=8000,
@@ -89,7 +89,7 @@ rule build_shard:
         "logs/{run}/builds/{build}/{shard}.log",
     benchmark:
         "benchmarks/{run}/builds/{build}/{shard}.tsv"
-    priority: server_queue_priority
+    priority: build_priority
     resources:
         **CPU_JOB,
         mem_mb=lambda wildcards, attempt: 8000 * attempt,
@@ -111,7 +111,7 @@ rule build_gather:
         "logs/{run}/builds/{build}/gather.log",
     benchmark:
         "benchmarks/{run}/builds/{build}/gather.tsv"
-    priority: server_queue_priority
+    priority: build_priority
     resources:
         **CPU_JOB,
         mem_mb=4000,

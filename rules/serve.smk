@@ -18,7 +18,7 @@ rule serve_prediction:
         "logs/{run}/serve/{build}/prediction.log",
     group:
         "serve_{build}"
-    priority: before_every_build
+    priority: build_priority
     # on a cluster this job opens the build's group on its node: it carries the server's CPUs
     # (profiles/slurm sets them) and GPUs
     resources:
