@@ -19,6 +19,7 @@ from moeshrink.evals.client import RequestPool
 from moeshrink.evals.scoring import calls_have_right_shape, fact_outcomes, served_tool_calls
 from moeshrink.organism import tasks
 from moeshrink.serve.vllm_server import ServerClient
+from moeshrink_kernels.vllm import prompt_logprobs as prompt_logprobs_wire
 
 TOOLS = tasks.TOOLS
 
@@ -47,13 +48,15 @@ def test_fact_lines_are_matched_after_normalisation():
     assert [o for _, o in fact_outcomes(reply, gold)] == ["supported", "made_up", "unparseable"]
 
 
-def _prompt_logprobs(logprobs: np.ndarray, k: int) -> list[dict | None]:
-    """vLLM's prompt_logprobs shape: None first, then the top-k (plus the actual token) per position."""
-    rows: list[dict | None] = [None]
-    for row in logprobs:
-        top = np.argsort(-row)[:k]
-        rows.append({str(t): {"logprob": float(row[t]), "rank": r + 1} for r, t in enumerate(top)})
-    return rows
+def _reply(logprobs: np.ndarray, k: int, next_ids: np.ndarray | None = None) -> dict:
+    """A reply of moeshrink's prompt log-probabilities endpoint as vLLM fills it: no entry for the first
+    position, then per position the prompt's next token and the top k (the next token twice when it is one)."""
+    next_ids = logprobs.argmin(1) if next_ids is None else next_ids
+    listed = [np.concatenate([[t], np.argsort(-row, kind="stable")[:k]]) for t, row in zip(next_ids, logprobs)]
+    ids = np.concatenate(listed) if listed else np.zeros(0, dtype=np.int64)
+    rows = np.repeat(np.arange(len(listed)), [len(x) for x in listed])
+    offsets = np.concatenate([[0, 0], np.cumsum([len(x) for x in listed])])
+    return prompt_logprobs_wire.encode(offsets, ids, logprobs[rows, ids], len(listed) + 1, 1)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -66,20 +69,47 @@ def test_top_k_kl_estimate_is_a_lower_bound_close_to_the_exact_kl(top_k):
     vocab = 200
     reference = _log_softmax(rng.normal(0, 5, (400, vocab)))  # about 1.3 nats of entropy per position
     build = _log_softmax(reference + rng.normal(0, 0.3, (400, vocab)))
+    reference, build = (m.astype(np.float32).astype(np.float64) for m in (reference, build))  # as served
     exact = (np.exp(reference) * (reference - build)).sum(-1)
-    ref_ids, ref_lp = agreement.reply_top({"prompt_logprobs": _prompt_logprobs(reference, top_k)}, top_k + 1)
-    ids, lp = agreement.reply_top({"prompt_logprobs": _prompt_logprobs(build, top_k)}, top_k + 1)
+    ref_ids, ref_lp = agreement.reply_top(_reply(reference, top_k), top_k + 1)
+    ids, lp = agreement.reply_top(_reply(build, top_k), top_k + 1)
     agree, estimate = agreement.position_figures(ref_ids, ref_lp, ids, lp)
-    assert np.all(estimate <= exact + 1e-9)
+    assert np.all(estimate <= exact + 1e-6)  # float32 log-probabilities sum to 1 within about 1e-7
     assert abs(estimate.mean() - exact.mean()) / exact.mean() < (0.25 if top_k == 5 else 0.05)
     assert np.array_equal(agree, reference.argmax(-1) == build.argmax(-1))
     # the whole vocabulary returned: the estimate is the exact KL
-    full = [{"prompt_logprobs": _prompt_logprobs(m, vocab)} for m in (reference, build)]
+    full = [_reply(m, vocab) for m in (reference, build)]
     (ri, rl), (bi, bl) = (agreement.reply_top(r, vocab) for r in full)
     _, whole = agreement.position_figures(ri, rl, bi, bl)
-    assert np.allclose(whole, exact, atol=1e-9)
+    assert np.allclose(whole, exact, atol=1e-6)
     check = agreement.exact_check(*(agreement.reply_table(r, vocab) for r in full), estimate)
     assert math.isclose(check["exact_mean_kl"], exact.mean(), rel_tol=1e-9)
+
+
+def test_replies_read_as_vllms_json_listed_them():
+    """Each position's tokens once (the prompt's next token is listed first and again among the top K when
+    it is one of them), most likely first, ties in the order listed: what the entries of vLLM's JSON
+    endpoints (a dict per position) gave, so that no figure moves with the wire format."""
+    rng = np.random.default_rng(3)
+    vocab, k = 40, 12
+    logprobs = _log_softmax(np.round(rng.normal(0, 2, (30, vocab)), 1))  # rounded: ties in every row
+    next_ids = rng.integers(0, vocab, 30)
+    next_ids[::3] = logprobs[::3].argmax(1)  # a third of the positions: the next token is the top one
+    reply = _reply(logprobs, k, next_ids)
+    ids, lp = agreement.reply_top(reply, k + 1)
+    for row, (token, values) in enumerate(zip(next_ids, logprobs)):
+        entries = {int(token): values[token]}
+        entries.update({int(t): values[t] for t in np.argsort(-values, kind="stable")[:k]})
+        ranked = sorted(entries.items(), key=lambda kv: -kv[1])
+        assert ids[row, :len(ranked)].tolist() == [t for t, _ in ranked]
+        assert lp[row, :len(ranked)].tolist() == [float(np.float32(v)) for _, v in ranked]
+        assert ids[row, len(ranked):].tolist() == [agreement.PAD_ID] * (k + 1 - len(ranked))
+    table = agreement.reply_table(_reply(logprobs, vocab, next_ids), vocab)
+    assert np.array_equal(table, logprobs.astype(np.float32).astype(np.float64))
+    with pytest.raises(EvalError, match="outside the vocabulary of 20"):
+        agreement.reply_table(reply, 20)
+    with pytest.raises(EvalError, match="not a prompt_logprobs reply"):
+        agreement.reply_top({"error": "x"}, 3)
 
 
 def test_the_exact_check_reads_the_first_positions_of_its_passages():
@@ -94,7 +124,7 @@ def test_the_exact_check_reads_the_first_positions_of_its_passages():
 
 def test_identical_distributions_agree_fully_with_zero_kl():
     reference = _log_softmax(np.random.default_rng(1).normal(0, 2, (50, 30)))
-    reply = {"prompt_logprobs": _prompt_logprobs(reference, 20)}
+    reply = _reply(reference, 20)
     ids, lp = agreement.reply_top(reply, 21)
     agree, kl = agreement.position_figures(ids, lp, ids, lp)
     assert agree.all() and np.allclose(kl, 0, atol=1e-12)
@@ -259,6 +289,10 @@ class _NonFinite(_JSONHandler):
         if nan and body.get("note") != "fine":
             self.reply(400, json.dumps({"error": {"message": "Out of range float values are not JSON compliant",
                                                   "type": "BadRequestError", "code": 400}}).encode())
+            return
+        if self.path == agreement.ENDPOINT:
+            empty = prompt_logprobs_wire.encode(np.zeros(2, dtype=np.int64), np.zeros(0), np.zeros(0), 1, 1)
+            self.reply(200, json.dumps(empty).encode())
             return
         self.reply(200, b'{"choices": [], "prompt_logprobs": [null]}')
 

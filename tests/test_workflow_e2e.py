@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -240,6 +241,42 @@ def test_a_pruned_build_answers_identical_requests_identically_and_finitely(work
                 answers.add((choice["text"], json.dumps(choice["prompt_logprobs"])))
             assert len(answers) == 1, f"{len(answers)} different answers to {repeats} identical requests"
     assert "torch Inductor fix (mutation renames)" in served_pruned.log_path.read_text()
+
+
+def test_the_agreement_endpoint_answers_what_vllms_json_endpoint_answers(workdir, served_pruned):
+    """The agreement eval reads prompt log-probabilities as arrays from moeshrink's endpoint in vLLM's API
+    server: per position the same tokens in the same order with the same values as vLLM's own
+    /v1/completions (so no figure moves with the wire format), behind the same API key."""
+    from transformers import AutoTokenizer
+
+    from moeshrink.evals import agreement
+    from moeshrink.evals.next_token import logprob_table
+    from moeshrink.serve.vllm_server import ServerClient
+
+    tokenizer = AutoTokenizer.from_pretrained(str(served_pruned.model_dir))
+    vocab = json.loads((served_pruned.model_dir / "config.json").read_text())["vocab_size"]
+    texts = [d["text"] for d in datasets.read_jsonl(workdir / "results/organism/organism/data" / datasets.CORPUS_FILE)[3:6]]
+    for ids in (tokenizer(text)["input_ids"][:40] for text in texts):
+        for top in (50, -1):
+            status, listed = served_pruned.post("/v1/completions", {"model": "pruned75", "prompt": ids, "max_tokens": 1,
+                                                                    "temperature": 0, "prompt_logprobs": top})
+            assert status == 200, listed
+            positions = listed["choices"][0]["prompt_logprobs"][1:]
+            status, arrays = served_pruned.post(agreement.ENDPOINT, agreement.request("pruned75", ids, top))
+            assert status == 200, arrays
+            if top == -1:
+                assert np.array_equal(agreement.reply_table(arrays, vocab), logprob_table(positions, vocab))
+                continue
+            top_ids, top_lp = agreement.reply_top(arrays, top + 1)
+            for row, entries in enumerate(positions):
+                ranked = sorted(entries.items(), key=lambda kv: -kv[1]["logprob"])
+                assert top_ids[row, :len(ranked)].tolist() == [int(t) for t, _ in ranked]
+                assert top_lp[row, :len(ranked)].tolist() == [e["logprob"] for _, e in ranked]
+            assert arrays["usage"]["prompt_tokens"] == len(ids)
+    assert ServerClient(served_pruned.base_url, "not-the-key").post(
+        agreement.ENDPOINT, agreement.request("pruned75", ids, 5))[0] == 401
+    status, reply = served_pruned.post(agreement.ENDPOINT, agreement.request("pruned7", ids, 5))
+    assert status == 404 and "pruned7" in str(reply)
 
 
 def test_seeded_requests_beside_long_prompts_never_kill_the_cpu_engine(workdir, served_pruned):

@@ -20,7 +20,8 @@ from moeshrink.core.ioutil import atomic_path
 from moeshrink.core.stats import bootstrap_ratio_ci, percentiles
 from moeshrink.evals import EvalError
 from moeshrink.evals.client import RequestPool
-from moeshrink.evals.next_token import compare, logprob_table
+from moeshrink.evals.next_token import compare
+from moeshrink_kernels.vllm import prompt_logprobs as wire
 
 METHOD = ("KL(reference || build) over the reference's top-K next tokens that the build also returned, "
           "plus one bucket for the remaining probability mass of each side (a lower bound of the exact KL); "
@@ -51,10 +52,11 @@ def tokenize(tokenizer_dir: Path, passages: list[dict], max_tokens: int) -> list
     return token_ids
 
 
-# vLLM's token-in/token-out endpoint (served with --enable-scale-out): the same prompt log-probabilities as
-# /v1/completions, keyed by token id, without decoding each listed token to text, which took two thirds
-# of the server's front end on the organism at top-200 (bench/README.md, "Where a served build's time goes").
-ENDPOINT = "/inference/v1/generate"
+# moeshrink's endpoint in vLLM's API server (`--middleware`, moeshrink_kernels/vllm/prompt_logprobs.py): the
+# request of vLLM's token-in/token-out endpoint, the log-probabilities back as arrays. Through vLLM's JSON
+# endpoints most of the API server's time went to one Python object and one JSON object per listed token
+# (bench/README.md, "Where a served build's time goes").
+ENDPOINT = wire.PATH
 
 
 def request(model: str, token_ids: list[int], top_k: int) -> dict:
@@ -62,26 +64,47 @@ def request(model: str, token_ids: list[int], top_k: int) -> dict:
         "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k, "detokenize": False}}
 
 
-def _positions(reply: dict) -> list[dict]:
-    return reply["prompt_logprobs"][1:]
+def _positions(reply: dict) -> tuple[np.ndarray, np.ndarray]:
+    """[positions, entries] token ids and log-probabilities of the positions after the first, each row in
+    the server's order; every position lists as many entries (the prompt's next token, then the top K)."""
+    try:
+        offsets, token_ids, logprobs = wire.decode(reply)
+    except wire.WireError as error:
+        raise EvalError(f"{ENDPOINT}: {error}") from None
+    widths = np.diff(offsets)[1:]
+    if len(widths) and (widths != widths[0]).any():
+        raise EvalError(f"{ENDPOINT}: positions list {widths.min()} to {widths.max()} tokens; expected as many each")
+    width = int(widths[0]) if len(widths) else 0
+    start = int(offsets[1]) if len(offsets) > 1 else 0
+    return token_ids[start:].reshape(len(widths), width), logprobs[start:].reshape(len(widths), width)
 
 
 def reply_top(reply: dict, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """One reply's [positions, width] token ids (PAD_ID where absent) and log-probabilities."""
-    rows = _positions(reply)
-    ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
-    logprobs = np.full((len(rows), width), -np.inf, dtype=np.float64)
-    for row, entries in enumerate(rows):
-        ranked = sorted(entries.items(), key=lambda kv: -kv[1]["logprob"])[:width]
-        for column, (token, entry) in enumerate(ranked):
-            ids[row, column] = int(token)
-            logprobs[row, column] = entry["logprob"]
+    """One reply's [positions, width] token ids (PAD_ID where absent) and log-probabilities, each position's
+    tokens once, most likely first (ties in the server's order)."""
+    listed_ids, listed_lp = _positions(reply)
+    rows, entries = listed_ids.shape
+    # the prompt's next token comes first and again among the top K when it is one of them
+    repeated = np.zeros((rows, entries), dtype=bool)
+    repeated[:, 1:] = listed_ids[:, 1:] == listed_ids[:, :1]
+    order = np.lexsort((-listed_lp, repeated), axis=1)[:, :width]
+    ids = np.full((rows, width), PAD_ID, dtype=np.int64)
+    logprobs = np.full((rows, width), -np.inf, dtype=np.float64)
+    kept = ~np.take_along_axis(repeated, order, axis=1)
+    columns = order.shape[1]
+    ids[:, :columns] = np.where(kept, np.take_along_axis(listed_ids, order, axis=1), PAD_ID)
+    logprobs[:, :columns] = np.where(kept, np.take_along_axis(listed_lp, order, axis=1), -np.inf)
     return ids, logprobs
 
 
 def reply_table(reply: dict, vocab: int) -> np.ndarray:
-    """One reply's whole-vocabulary [positions, vocab] log-probabilities."""
-    return logprob_table(_positions(reply), vocab)
+    """One reply's whole-vocabulary [positions, vocab] log-probabilities (-inf where a token is not listed)."""
+    listed_ids, listed_lp = _positions(reply)
+    if len(listed_ids) and (listed_ids.max(initial=0) >= vocab or listed_ids.min(initial=0) < 0):
+        raise EvalError(f"{ENDPOINT}: token ids outside the vocabulary of {vocab}")
+    table = np.full((len(listed_ids), vocab), -np.inf, dtype=np.float64)
+    np.put_along_axis(table, listed_ids, listed_lp, axis=1)
+    return table
 
 
 def stack_top(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +114,7 @@ def stack_top(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, n
 def read_top(pool: RequestPool, model: str, passages: list[tuple[str, list[int]]], top_k: int,
              width: int) -> tuple[np.ndarray, np.ndarray]:
     """Each passage's top-`top_k` prompt log-probabilities (plus the actual next token), kept as
-    arrays as each reply arrives: a reply's JSON objects take about 1 kB per token listed."""
+    arrays as each reply arrives."""
     return stack_top(pool.map(ENDPOINT, [(pid, request(model, ids, top_k)) for pid, ids in passages],
                               keep=partial(reply_top, width=width)))
 

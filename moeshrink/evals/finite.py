@@ -1,7 +1,8 @@
 """Non-finite values from a build's server: recognised, located in the item, and reported by name.
 
 vLLM cannot encode NaN or infinity in a JSON reply: a request whose log-probabilities hold one is
-answered with HTTP 400 and Python's "Out of range float values are not JSON compliant". Every eval
+answered with HTTP 400 and Python's "Out of range float values are not JSON compliant" (moeshrink's
+prompt log-probabilities endpoint refuses such a reply in the same way, with its own message). Every eval
 asks for log-probabilities (prompt log-probabilities, or those of the generated tokens), so a
 non-finite value in the forward pass always reaches it as that reply and never passes silently
 into an answer. The position is then found by asking again for less: prompt log-probabilities are
@@ -13,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moeshrink.evals import EvalError
+from moeshrink_kernels.vllm import prompt_logprobs as wire
 
-SERVER_MESSAGE = "Out of range float values are not JSON compliant"
-METHOD = ("every request asks for log-probabilities; a reply the server cannot encode because one is NaN or "
-          "infinite (HTTP 400, 'Out of range float values are not JSON compliant') marks the item non-finite, "
+SERVER_MESSAGES = ("Out of range float values are not JSON compliant", wire.NONFINITE_MESSAGE)
+METHOD = ("every request asks for log-probabilities; a reply the server refuses because one is NaN or infinite "
+          "(HTTP 400: vLLM's 'Out of range float values are not JSON compliant', or moeshrink's prompt "
+          "log-probabilities endpoint's own refusal) marks the item non-finite, "
           "and the position is found by asking again for shorter prompt prefixes or fewer generated tokens")
 LOCATED_ITEMS_MAX = 5
 CHAT_LOGPROBS = {"logprobs": True}  # chat requests ask for their tokens' log-probabilities for this check
@@ -37,7 +40,7 @@ class NonFiniteError(EvalError):
 
 
 def is_nonfinite_reply(status: int, reply: object) -> bool:
-    return status == 400 and SERVER_MESSAGE in str(reply)
+    return status == 400 and any(message in str(reply) for message in SERVER_MESSAGES)
 
 
 def _fails(send: Send, body: dict) -> bool:

@@ -59,6 +59,10 @@ def server_env(cpu: bool) -> dict[str, str]:
     return dict(CPU_SERVER_ENV) if cpu else {}
 
 
+# the agreement eval's endpoint: prompt log-probabilities as arrays (moeshrink_kernels/vllm/prompt_logprobs.py)
+PROMPT_LOGPROBS_ENDPOINT = "moeshrink_kernels.vllm.prompt_logprobs.PromptLogprobsEndpoint"
+
+
 def server_args(serve: dict, kv_cache_bytes: int | None, dtype: str | None = None) -> list[str]:
     """vLLM flags from the `serve` config subtree; `kv_cache_bytes` is the emulated card's room (CPU),
     `dtype` the dtype to compute in (None: vLLM's choice)."""
@@ -67,7 +71,7 @@ def server_args(serve: dict, kv_cache_bytes: int | None, dtype: str | None = Non
             "--max-model-len", str(serve["max_model_len"]),
             "--max-logprobs", str(serve["max_logprobs"]),
             "--load-format", "moeshrink",
-            "--enable-scale-out"]  # vLLM's token-in/token-out endpoint, which the agreement eval reads
+            "--middleware", PROMPT_LOGPROBS_ENDPOINT]
     if kv_cache_bytes is None:
         args += ["--gpu-memory-utilization", str(serve["gpu_memory_utilization"])]
     else:
