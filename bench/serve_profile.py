@@ -42,7 +42,8 @@ PHASES = (
     ("waiting for the other process (spin)", ("shm_broadcast.py", "sched_yield")),
     ("detokenize / output processing", ("detokenizer", "output_processor", "logprobs.py", "tokenizers")),
     ("HTTP + JSON (front end)", ("encoder.py", "decoder.py", "responses.py", "main.py:BaseModel", "httptools", "h11",
-                                 "uvicorn", "starlette", "fastapi", "api_router", "serving.py", "protocol.py")),
+                                 "uvicorn", "starlette", "fastapi", "api_router", "serving.py", "protocol.py",
+                                 "prompt_logprobs.py")),
     ("event loop and threads (idle or switching)", ("runners.py", "selectors.py", "threading.py", "queue.py",
                                                     "base_events.py", "socket.py")),
 )
