@@ -74,14 +74,14 @@ def test_top_k_kl_estimate_is_a_lower_bound_close_to_the_exact_kl(top_k):
     ref_ids, ref_lp = agreement.reply_top(_reply(reference, top_k), top_k + 1)
     ids, lp = agreement.reply_top(_reply(build, top_k), top_k + 1)
     agree, estimate = agreement.position_figures(ref_ids, ref_lp, ids, lp)
-    assert np.all(estimate <= exact + 1e-6)  # float32 log-probabilities sum to 1 within about 1e-7
+    assert np.all(estimate <= exact + 1e-9)
     assert abs(estimate.mean() - exact.mean()) / exact.mean() < (0.25 if top_k == 5 else 0.05)
     assert np.array_equal(agree, reference.argmax(-1) == build.argmax(-1))
     # the whole vocabulary returned: the estimate is the exact KL
     full = [_reply(m, vocab) for m in (reference, build)]
     (ri, rl), (bi, bl) = (agreement.reply_top(r, vocab) for r in full)
     _, whole = agreement.position_figures(ri, rl, bi, bl)
-    assert np.allclose(whole, exact, atol=1e-6)
+    assert np.allclose(whole, exact, atol=1e-6)  # float32 probabilities sum to 1 within about 1e-7: a rest bucket
     check = agreement.exact_check(*(agreement.reply_table(r, vocab) for r in full), estimate)
     assert math.isclose(check["exact_mean_kl"], exact.mean(), rel_tol=1e-9)
 
