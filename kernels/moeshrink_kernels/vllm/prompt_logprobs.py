@@ -88,12 +88,12 @@ async def _answer(scope: dict, receive: Any, send: Any) -> None:
 
     request = Request(scope, receive)
     if request.method != "POST":
-        status, payload = 405, {"error": {"message": f"{PATH} takes POST", "code": 405}}
+        status, payload = _error(405, f"{PATH} takes POST")
     else:
         try:
             body = json.loads(await request.body())
         except ValueError as error:
-            status, payload = 400, {"error": {"message": f"the body is not JSON: {error}", "code": 400}}
+            status, payload = _error(400, f"the body is not JSON: {error}")
         else:
             status, payload = await _prompt_logprobs(request.app.state, body)
     await JSONResponse(payload, status_code=status)(scope, receive, send)
