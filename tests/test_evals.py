@@ -19,7 +19,7 @@ from moeshrink.evals.client import RequestPool
 from moeshrink.evals.scoring import calls_have_right_shape, fact_outcomes, served_tool_calls
 from moeshrink.organism import tasks
 from moeshrink.serve.vllm_server import ServerClient
-from moeshrink_kernels.vllm import prompt_logprobs as prompt_logprobs_wire
+from moeshrink_kernels.vllm import logprobs_wire as prompt_logprobs_wire
 
 TOOLS = tasks.TOOLS
 

@@ -23,7 +23,7 @@ from moeshrink.evals.agreement import ENDPOINT, request
 from moeshrink.organism import datasets
 from moeshrink.serve.supervisor import server_args, server_env
 from moeshrink.serve.vllm_server import VLLMServer
-from moeshrink_kernels.vllm import prompt_logprobs as wire
+from moeshrink_kernels.vllm import logprobs_wire as wire
 
 pytestmark = pytest.mark.slow
 BUILD = "twx2_5"

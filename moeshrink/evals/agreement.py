@@ -21,7 +21,7 @@ from moeshrink.core.stats import bootstrap_ratio_ci, percentiles
 from moeshrink.evals import EvalError
 from moeshrink.evals.client import RequestPool
 from moeshrink.evals.next_token import compare
-from moeshrink_kernels.vllm import prompt_logprobs as wire
+from moeshrink_kernels.vllm import logprobs_wire as wire
 
 METHOD = ("KL(reference || build) over the reference's top-K next tokens that the build also returned, "
           "plus one bucket for the remaining probability mass of each side (a lower bound of the exact KL); "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moeshrink.evals import EvalError
-from moeshrink_kernels.vllm import prompt_logprobs as wire
+from moeshrink_kernels.vllm import logprobs_wire as wire
 
 SERVER_MESSAGES = ("Out of range float values are not JSON compliant", wire.NONFINITE_MESSAGE)
 METHOD = ("every request asks for log-probabilities; a reply the server refuses because one is NaN or infinite "

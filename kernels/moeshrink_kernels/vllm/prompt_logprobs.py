@@ -2,59 +2,23 @@
 server with `--middleware moeshrink_kernels.vllm.prompt_logprobs.PromptLogprobsEndpoint`.
 
 The request is that of vLLM's token-in/token-out endpoint (`/inference/v1/generate`): `model`, `token_ids`
-and `sampling_params.prompt_logprobs` (K, or -1 for the whole vocabulary). The reply holds, per prompt
-position, the entries vLLM lists there in its own order (the prompt's next token, then the top K by rank),
-as base64 arrays: `offsets` (int32, positions + 1; the first position has none), `token_ids` (int32) and
-`logprobs` (float32, vLLM's own values; -inf as vLLM's JSON endpoints write it, -9999.0). vLLM's JSON
-endpoints build a Python object per listed token and encode it; at the top 400 of 300 passages that was
-most of the API server's time (bench/README.md, "Where a served build's time goes"). Here the engine keeps
-them flat (`SamplingParams.flat_logprobs`) and they leave as bytes.
+and `sampling_params.prompt_logprobs` (K, or -1 for the whole vocabulary); the reply is `logprobs_wire`'s.
+vLLM's JSON endpoints build a Python object per listed token and encode it; at the top 400 of 300 passages
+that was most of the API server's time (bench/README.md, "Where a served build's time goes"). Here the
+engine keeps them flat (`SamplingParams.flat_logprobs`) and they leave as bytes.
 
 A reply that would hold NaN or +inf is refused (HTTP 400, NONFINITE_MESSAGE), as vLLM's JSON endpoints
-refuse to encode one. The endpoint sits behind vLLM's own API-key check. The wire format (`encode`,
-`decode`) imports neither vLLM nor torch.
+refuse to encode one. The endpoint sits behind vLLM's own API-key check. Imported by vLLM's API server only.
 """
 from __future__ import annotations
 
-import base64
 import json
 import uuid
 from typing import Any
 
 import numpy as np
 
-PATH = "/inference/v1/moeshrink/prompt_logprobs"
-NONFINITE_MESSAGE = "prompt log-probabilities hold a NaN or +inf value"
-JSON_NEG_INF = -9999.0  # what vLLM's JSON endpoints write for a log-probability of -inf
-
-
-class WireError(ValueError):
-    pass
-
-
-def _b64(array: np.ndarray, dtype: str) -> str:
-    return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
-
-
-def encode(offsets: np.ndarray, token_ids: np.ndarray, logprobs: np.ndarray, prompt_tokens: int,
-           completion_tokens: int) -> dict[str, Any]:
-    return {"offsets": _b64(offsets, "<i4"), "token_ids": _b64(token_ids, "<i4"), "logprobs": _b64(logprobs, "<f4"),
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}}
-
-
-def decode(reply: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A reply's offsets, token ids and log-probabilities (float64), checked for shape."""
-    try:
-        offsets, token_ids = (np.frombuffer(base64.b64decode(reply[k]), dtype="<i4").astype(np.int64)
-                              for k in ("offsets", "token_ids"))
-        logprobs = np.frombuffer(base64.b64decode(reply["logprobs"]), dtype="<f4").astype(np.float64)
-    except (KeyError, TypeError, ValueError) as error:
-        raise WireError(f"not a prompt_logprobs reply ({type(error).__name__}: {error})") from None
-    if (len(token_ids) != len(logprobs) or not len(offsets) or offsets[0] != 0 or offsets[-1] != len(token_ids)
-            or (np.diff(offsets) < 0).any()):
-        raise WireError(f"a prompt_logprobs reply's offsets ({len(offsets)}) do not fit its {len(token_ids)} "
-                        f"token ids and {len(logprobs)} log-probabilities")
-    return offsets, token_ids, logprobs
+from moeshrink_kernels.vllm.logprobs_wire import JSON_NEG_INF, NONFINITE_MESSAGE, PATH, encode
 
 
 class PromptLogprobsEndpoint:
