@@ -3,9 +3,10 @@
 
 vLLM 0.32's CPU platform turns prefix caching off for MLA models unless the CPU has AMX
 (`platforms/cpu.py`, "forcing chunked prefill and prefix caching to be disabled"). Put this folder on the
-server's PYTHONPATH (`bench/serve_profile.py --env PYTHONPATH=bench/prefix_cache`, or
-`bench/prefix_cache/check.py`): once `vllm.platforms.cpu` is imported, its `check_and_update_config` turns
-caching back on where the engine's config asked for it. Not used by the workflow: a cached prefix changes
+server's PYTHONPATH as an absolute path (`bench/serve_profile.py --env PYTHONPATH=$PWD/bench/prefix_cache`: the
+server runs in the run's folder; `bench/prefix_cache/check.py` does it itself): it imports `vllm.platforms.cpu`
+and wraps the CPU platform's `check_and_update_config` so that caching stays on where the engine's config
+asked for it. Not used by the workflow: a cached prefix changes
 the log-probabilities that follow it (check.py)."""
 from __future__ import annotations
 
